@@ -1,0 +1,63 @@
+import pytest
+import torch
+
+from vit_service.models import create_model, get_config, set_fused_attn
+
+timm = pytest.importorskip("timm")
+
+
+def _timm_twin(name: str) -> torch.nn.Module:
+    c = get_config(name)
+    return timm.models.vision_transformer.VisionTransformer(
+        img_size=c.img_size, patch_size=c.patch_size, in_chans=c.in_chans,
+        num_classes=c.num_classes, embed_dim=c.embed_dim, depth=c.depth, num_heads=c.num_heads,
+        mlp_ratio=c.mlp_ratio, qkv_bias=c.qkv_bias, global_pool="token", class_token=True,
+    )
+
+
+@pytest.mark.parametrize("name", ["vit_test", "vit_nano_patch4_32", "vit_tiny_patch4_32"])
+def test_timm_state_dict_loads_and_logits_match(name: str) -> None:
+    torch.manual_seed(0)
+    ref = _timm_twin(name).eval()
+    # randomise every tensor so that a wrong mapping cannot hide behind zeros or ones
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.05)
+    ours = create_model(name).eval()
+    theirs = ref.state_dict()
+    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == {
+        k: tuple(v.shape) for k, v in theirs.items()
+    }
+    ours.load_state_dict(theirs, strict=True)
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        expected = ref(x)
+        torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=0)
+        set_fused_attn(ours, False)  # explicit path too
+        torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=0)
+
+
+def test_patch_embedding_is_a_strided_conv_giving_64_patches() -> None:
+    m = create_model("vit_tiny_patch4_32")
+    conv = m.patch_embed.proj
+    assert isinstance(conv, torch.nn.Conv2d)
+    assert conv.kernel_size == conv.stride == (4, 4)
+    tokens = m.embed(torch.randn(2, 3, 32, 32))
+    assert tokens.shape == (2, 65, 192)  # CLS + 8x8 patches
+
+
+def test_attention_comes_from_the_same_pass_as_the_logits() -> None:
+    torch.manual_seed(0)
+    m = create_model("vit_test").eval()
+    x = torch.randn(3, 3, 32, 32)
+    logits, attn = m.forward_with_attention(x)
+    assert attn.shape == (2, 3, 2, 17, 17)  # (L, B, H, T, T)
+    torch.testing.assert_close(attn.sum(-1), torch.ones(2, 3, 2, 17))
+    torch.testing.assert_close(logits, m(x), atol=1e-5, rtol=0)
+
+
+def test_reset_classifier_replaces_the_head() -> None:
+    m = create_model("vit_test")
+    m.reset_classifier(100)
+    assert m.head.out_features == 100 and m.config.num_classes == 100
+    assert m(torch.randn(1, 3, 32, 32)).shape == (1, 100)

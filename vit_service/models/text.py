@@ -1,0 +1,130 @@
+"""Transformer encoder for sentiment classification (text -> label).
+
+Token embedding (with a padding index) -> positional encoding -> pre-norm blocks with a
+key-padding mask -> final norm -> pooling (the ``[CLS]`` token or a masked mean) -> head.
+Padding never influences real tokens: appending padding leaves the logits unchanged (tested).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from vit_service.models.layers import LN_EPS, Block
+from vit_service.models.pos_encoding import PosEncoding, register_pos_embed
+
+
+@dataclass
+class TextConfig:
+    vocab_size: int = 16000  # must equal the tokenizer's vocabulary size
+    max_len: int = 256  # longest sequence (incl. [CLS]); longer inputs are truncated
+    num_classes: int = 2  # negative / positive
+    embed_dim: int = 256  # token width D
+    depth: int = 4  # number of Transformer blocks
+    num_heads: int = 4  # attention heads; D must divide by it
+    mlp_ratio: float = 4.0  # MLP hidden width = mlp_ratio * D
+    qkv_bias: bool = True  # bias on the q, k, v projections
+    pos_encoding: PosEncoding = "sinusoidal"  # sinusoidal (2017 formula, fixed) | learned
+    pool: Literal["cls", "mean"] = "cls"  # [CLS] token (position 0) or mean over real tokens
+    pad_id: int = 0  # tokenizer's [PAD] id: its embedding stays zero and it is masked out
+    embed_scale: bool = True  # multiply embeddings by sqrt(D) (Vaswani et al.) so the
+    # unit-amplitude sinusoidal table does not swamp them
+    drop_rate: float = 0.1  # dropout on embeddings, projections and before the head
+    attn_drop_rate: float = 0.0  # dropout on attention weights
+    drop_path_rate: float = 0.0  # stochastic depth (max, linear over blocks)
+
+
+class TextTransformer(nn.Module):
+    """Sentiment encoder; inputs are token ids ``(B, T)`` with ``[CLS]`` first."""
+
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        self.tok_embed = nn.Embedding(c.vocab_size, c.embed_dim, padding_idx=c.pad_id)
+        register_pos_embed(self, c.pos_encoding, c.max_len, c.embed_dim)
+        self.scale = math.sqrt(c.embed_dim) if c.embed_scale else 1.0
+        self.pos_drop = nn.Dropout(c.drop_rate)
+        dpr = torch.linspace(0, c.drop_path_rate, c.depth).tolist()
+        self.blocks = nn.ModuleList(
+            Block(c.embed_dim, c.num_heads, c.mlp_ratio, c.qkv_bias, c.drop_rate,
+                  c.attn_drop_rate, dpr[i])
+            for i in range(c.depth)
+        )
+        self.norm = nn.LayerNorm(c.embed_dim, eps=LN_EPS)
+        self.head_drop = nn.Dropout(c.drop_rate)
+        self.head = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes else nn.Identity()
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        # with embed_scale the embedding enters at std ~1, like the sinusoidal table
+        std = 1.0 / self.scale if self.config.embed_scale else 0.02
+        nn.init.normal_(self.tok_embed.weight, std=std)
+        with torch.no_grad():
+            self.tok_embed.weight[self.config.pad_id].zero_()
+
+    def no_weight_decay(self) -> set[str]:
+        return {"pos_embed", "tok_embed.weight"}
+
+    def reset_classifier(self, num_classes: int) -> None:
+        self.config.num_classes = num_classes
+        self.head = nn.Linear(self.config.embed_dim, num_classes) if num_classes else nn.Identity()
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        T = input_ids.shape[1]
+        if T > self.config.max_len:
+            raise ValueError(f"sequence length {T} > max_len {self.config.max_len}")
+        x = self.tok_embed(input_ids) * self.scale  # (B, T, D)
+        return self.pos_drop(x + self.pos_embed[:, : input_ids.shape[1]])
+
+    def forward_features(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, need_weights: bool = False
+    ) -> tuple[Tensor, list[Tensor] | None]:
+        """``input_ids`` ``(B, T)``; ``attention_mask`` ``(B, T)`` bool, True for real tokens
+        (default: ``input_ids != pad_id``). Returns tokens ``(B, T, D)`` and, if asked, per-layer
+        attention weights ``(B, H, T, T)`` (padded keys get exactly 0)."""
+        if attention_mask is None:
+            attention_mask = input_ids != self.config.pad_id
+        x = self.embed(input_ids)
+        attns: list[Tensor] = []
+        for blk in self.blocks:
+            x, w = blk(x, key_padding_mask=attention_mask, need_weights=need_weights)
+            if w is not None:
+                attns.append(w)
+        return self.norm(x), (attns if need_weights else None)
+
+    def forward_head(
+        self, x: Tensor, attention_mask: Tensor | None = None, pre_logits: bool = False
+    ) -> Tensor:
+        if self.config.pool == "cls":
+            pooled = x[:, 0]  # (B, D)
+        else:
+            if attention_mask is None:
+                raise ValueError("mean pooling needs the attention mask")
+            m = attention_mask[..., None].to(x.dtype)  # (B, T, 1)
+            pooled = (x * m).sum(1) / m.sum(1).clamp_min(1.0)  # (B, D)
+        pooled = self.head_drop(pooled)
+        return pooled if pre_logits else self.head(pooled)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        if attention_mask is None:
+            attention_mask = input_ids != self.config.pad_id
+        feats, _ = self.forward_features(input_ids, attention_mask)
+        return self.forward_head(feats, attention_mask)
+
+    def forward_with_attention(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Logits ``(B, K)`` and attention ``(L, B, H, T, T)`` from one forward pass."""
+        if attention_mask is None:
+            attention_mask = input_ids != self.config.pad_id
+        feats, attns = self.forward_features(input_ids, attention_mask, need_weights=True)
+        return self.forward_head(feats, attention_mask), torch.stack(attns)
