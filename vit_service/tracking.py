@@ -1,0 +1,187 @@
+"""MLflow: where runs go, how a trained model bundle is logged, registered and promoted, and how
+it is fetched back for serving.
+
+The tracking URI comes from ``MLFLOW_TRACKING_URI`` (see :mod:`vit_service.config`), by default a
+local SQLite database with a local artifact folder. Registered models carry their bundle
+(:mod:`vit_service.bundle`) as artifacts; the alias ``champion`` is moved only when a new
+version's validation accuracy beats the current champion's.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from vit_service.bundle import load_bundle
+from vit_service.config import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+CHAMPION = "champion"
+BUNDLE_ARTIFACT = "bundle"  # key of the bundle folder inside the pyfunc model's artifacts
+
+
+def configure(tracking_uri: str | None = None, settings: Settings | None = None) -> str:
+    """Point MLflow at ``tracking_uri`` (or the settings' one) and return it."""
+    settings = settings or get_settings()
+    uri = tracking_uri or settings.resolved_tracking_uri
+    if uri.startswith("sqlite:///"):
+        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(uri)
+    return uri
+
+
+def ensure_experiment(name: str, settings: Settings | None = None) -> str:
+    """Experiment id for ``name``, created with a local artifact folder for database URIs."""
+    settings = settings or get_settings()
+    exp = mlflow.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    location = None
+    if mlflow.get_tracking_uri().startswith(("sqlite:", "postgresql:", "mysql:")):
+        root = settings.artifact_root / name
+        root.mkdir(parents=True, exist_ok=True)
+        location = root.as_uri()
+    return mlflow.create_experiment(name, artifact_location=location)
+
+
+class BundlePyfunc(mlflow.pyfunc.PythonModel):
+    """MLflow pyfunc wrapper so a registered model also works with ``mlflow models serve``.
+
+    Input: a DataFrame with a column ``image`` (base64-encoded image bytes) or ``text``.
+    Output: one row per input with ``label``, ``index`` and ``probability``.
+    """
+
+    def load_context(self, context: Any) -> None:
+        self.bundle = load_bundle(context.artifacts[BUNDLE_ARTIFACT])
+
+    def predict(self, context: Any, model_input: Any, params: Any = None) -> Any:
+        import pandas as pd
+        import torch
+
+        from vit_service.preprocess import decode_image, images_to_tensor
+
+        b = self.bundle
+        with torch.inference_mode():
+            if b.meta.task == "image":
+                imgs = [decode_image(base64.b64decode(s)) for s in model_input["image"]]
+                logits = b.model(images_to_tensor(imgs, b.meta))
+            else:
+                texts = list(model_input["text"])
+                enc = b.tokenizer.encode_batch(texts, b.meta.preprocess["max_len"])
+                logits = b.model(enc.input_ids, enc.attention_mask)
+        probs = logits.float().softmax(-1)
+        p, idx = probs.max(-1)
+        return pd.DataFrame(
+            {
+                "label": [b.meta.class_names[i] for i in idx.tolist()],
+                "index": idx.tolist(),
+                "probability": p.tolist(),
+            }
+        )
+
+
+def log_bundle(
+    bundle_dir: str | Path, task: str, registered_name: str | None = None
+) -> str | None:
+    """Log the bundle as a pyfunc model in the active run; register it if a name is given.
+
+    Returns the new registered version (as a string) or ``None``.
+    """
+    import pandas as pd
+    from mlflow.models import infer_signature
+
+    col = "image" if task == "image" else "text"
+    example_in = pd.DataFrame({col: [_example_input(task)]})
+    example_out = pd.DataFrame({"label": ["x"], "index": [0], "probability": [0.5]})
+    info = mlflow.pyfunc.log_model(
+        name="model",
+        python_model=BundlePyfunc(),
+        artifacts={BUNDLE_ARTIFACT: str(bundle_dir)},
+        signature=infer_signature(example_in, example_out),
+        input_example=example_in,
+        registered_model_name=registered_name,
+        pip_requirements=["vit-service", "torch", "pillow", "tokenizers", "pandas"],
+    )
+    version = info.registered_model_version
+    return str(version) if version is not None else None
+
+
+def _example_input(task: str) -> str:
+    if task == "text":
+        return "A moving, beautifully shot film."
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (120, 60, 200)).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def promote_champion(
+    name: str, version: str, metric: str = "val_acc", client: MlflowClient | None = None
+) -> bool:
+    """Move the ``champion`` alias to ``version`` iff its run's ``metric`` beats the champion's."""
+    client = client or MlflowClient()
+    new = client.get_model_version(name, version)
+    new_score = client.get_run(new.run_id).data.metrics.get(metric)
+    try:
+        cur = client.get_model_version_by_alias(name, CHAMPION)
+        cur_score = client.get_run(cur.run_id).data.metrics.get(metric)
+    except MlflowException:
+        cur, cur_score = None, None
+    if cur is not None and cur_score is not None and (new_score is None or new_score <= cur_score):
+        log.info("%s v%s (%s=%s) does not beat champion v%s (%s); alias unchanged",
+                 name, version, metric, new_score, cur.version, cur_score)
+        return False
+    client.set_registered_model_alias(name, CHAMPION, version)
+    log.info("%s v%s is now %s (%s=%s)", name, version, CHAMPION, metric, new_score)
+    return True
+
+
+@dataclass
+class ModelRef:
+    """Which registered model version a URI resolved to."""
+
+    name: str
+    version: str
+    run_id: str | None
+    alias: str | None
+    source: str
+
+
+def resolve_model(uri_or_name: str, client: MlflowClient | None = None) -> ModelRef:
+    """``name`` (-> ``@champion``), ``models:/name@alias`` or ``models:/name/version``."""
+    client = client or MlflowClient()
+    uri = uri_or_name if uri_or_name.startswith("models:/") else f"models:/{uri_or_name}@{CHAMPION}"
+    body = uri.removeprefix("models:/")
+    if "@" in body:
+        name, alias = body.split("@", 1)
+        mv = client.get_model_version_by_alias(name, alias)
+    else:
+        name, _, ver = body.partition("/")
+        alias = None
+        mv = client.get_model_version(name, ver)
+    return ModelRef(name=name, version=str(mv.version), run_id=mv.run_id, alias=alias,
+                    source=mv.source)
+
+
+def download_bundle(ref: ModelRef, dst: str | Path | None = None) -> Path:
+    """Download a registered version's bundle folder and return its local path."""
+    dst = Path(dst or tempfile.mkdtemp(prefix="vit-service-model-"))
+    local = mlflow.artifacts.download_artifacts(
+        artifact_uri=f"models:/{ref.name}/{ref.version}", dst_path=str(dst)
+    )
+    path = Path(local) / "artifacts" / BUNDLE_ARTIFACT
+    if not path.is_dir():
+        raise FileNotFoundError(f"models:/{ref.name}/{ref.version} holds no vit-service bundle")
+    return path
