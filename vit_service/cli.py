@@ -1,0 +1,50 @@
+"""``vit-service`` command line: the top of the stack, so it imports the layers below lazily.
+
+Sub-commands are contributed by ``training.cli`` (train, recipes, evaluate) and ``serving.cli``
+(serve, up, ...); each module exposes ``register(subparsers)`` which adds its commands with
+``set_defaults(func=...)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+from vit_service import __version__
+
+COMMAND_MODULES = ("training.cli", "serving.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vit-service",
+        description="Train, compare and serve Vision Transformers with their attention maps.",
+    )
+    parser.add_argument("--version", action="version", version=f"vit-service {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:  # a layer not installed in this environment
+            if e.name != name:
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.DEBUG if args.verbose else getattr(logging, os.environ.get("LOG_LEVEL", "INFO"))
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
