@@ -1,0 +1,135 @@
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vit_service.attention_maps import (
+    attention_rollout,
+    compute_attention_maps,
+    fuse_heads,
+    head_maps,
+    layer_maps,
+    overlay_heatmap,
+    rollout_matrix,
+)
+from vit_service.models import create_model
+
+
+def _random_attn(L: int = 3, B: int = 2, H: int = 4, T: int = 17, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(L, B, H, T, T, generator=g).mul(2).softmax(-1)
+
+
+@pytest.mark.parametrize("fusion", ["mean", "max", "min"])
+def test_joint_rollout_rows_sum_to_one(fusion: str) -> None:
+    joint = rollout_matrix(_random_attn(), head_fusion=fusion)
+    assert joint.shape == (2, 17, 17)
+    torch.testing.assert_close(joint.sum(-1), torch.ones(2, 17))
+    assert (joint >= 0).all()
+
+
+def test_rollout_matches_the_abnar_zuidema_formula() -> None:
+    attn = _random_attn(L=3, B=1, H=2, T=5)
+    w = attn.mean(2)[:, 0]  # (L, T, T), mean-fused heads
+    eye = torch.eye(5)
+    joint = eye
+    for layer in w:
+        joint = (0.5 * layer + 0.5 * eye) @ joint  # W rows sum to 1, so (W + I)/2 is stochastic
+    cls = joint[0, 1:] / joint[0, 1:].sum()
+    torch.testing.assert_close(attention_rollout(attn)[0], cls)
+
+
+def test_single_layer_rollout_equals_the_layer_map() -> None:
+    # with one layer, 0.5 W + 0.5 I only changes the CLS->CLS entry, which is dropped
+    attn = _random_attn(L=1)
+    torch.testing.assert_close(attention_rollout(attn), layer_maps(attn)[:, 0])
+
+
+def test_uniform_attention_gives_a_uniform_map() -> None:
+    attn = torch.full((2, 1, 3, 17, 17), 1 / 17)
+    torch.testing.assert_close(attention_rollout(attn, grid=(4, 4)), torch.full((1, 4, 4), 1 / 16))
+
+
+def test_cls_attending_only_to_itself_gives_zeros_not_nan() -> None:
+    attn = torch.eye(5).expand(2, 1, 2, 5, 5).clone()
+    out = attention_rollout(attn)
+    assert torch.equal(out, torch.zeros(1, 4))
+
+
+def test_head_fusions_and_unknown_fusion() -> None:
+    attn = _random_attn()
+    assert torch.equal(fuse_heads(attn, "max"), attn.amax(2))
+    assert torch.equal(fuse_heads(attn, "min"), attn.amin(2))
+    maps = {f: attention_rollout(attn, head_fusion=f) for f in ("mean", "max", "min")}
+    for m in maps.values():
+        torch.testing.assert_close(m.sum(-1), torch.ones(2))
+    assert not torch.allclose(maps["max"], maps["min"])
+    with pytest.raises(ValueError, match="unknown head fusion"):
+        fuse_heads(attn, "median")  # type: ignore[arg-type]
+
+
+def test_vit_maps_have_grid_shapes_and_sum_to_one() -> None:
+    torch.manual_seed(0)
+    model = create_model("vit_test").eval()  # 32x32, patch 8 -> 4x4 grid, 2 layers, 2 heads
+    with torch.no_grad():
+        _, attn = model.forward_with_attention(torch.randn(3, 3, 32, 32))
+    assert attn.shape == (2, 3, 2, 17, 17)
+    maps = compute_attention_maps(attn, grid=(4, 4), with_heads=True)
+    assert maps.rollout.shape == (3, 4, 4)
+    assert maps.layers.shape == (3, 2, 4, 4)
+    assert maps.heads is not None and maps.heads.shape == (3, 2, 2, 4, 4)
+    torch.testing.assert_close(maps.rollout.sum((-2, -1)), torch.ones(3))
+    torch.testing.assert_close(maps.layers.sum((-2, -1)), torch.ones(3, 2))
+    torch.testing.assert_close(maps.heads.sum((-2, -1)), torch.ones(3, 2, 2))
+    # row-major patch order: grid cell (r, c) is token 1 + r * 4 + c
+    flat = attention_rollout(attn)
+    torch.testing.assert_close(flat.view(3, 4, 4), maps.rollout)
+    # a single item (L, H, T, T) works too
+    torch.testing.assert_close(attention_rollout(attn[:, 1]), flat[1:2])
+    assert compute_attention_maps(attn).heads is None
+
+
+def test_text_padding_is_excluded_and_does_not_change_the_map() -> None:
+    torch.manual_seed(0)
+    model = create_model("text_test").eval()
+    ids = torch.tensor([[2, 17, 45, 99, 8, 0, 0, 0]])  # [CLS] + 4 tokens + 3 pads (pad_id 0)
+    mask = ids != 0
+    with torch.no_grad():
+        _, attn = model.forward_with_attention(ids, mask)
+        _, attn_short = model.forward_with_attention(ids[:, :5], mask[:, :5])
+    roll = attention_rollout(attn, attention_mask=mask)
+    assert roll.shape == (1, 7)
+    assert torch.equal(roll[0, 4:], torch.zeros(3))  # padded positions exactly 0
+    torch.testing.assert_close(roll.sum(), torch.tensor(1.0))
+    torch.testing.assert_close(roll[0, :4], attention_rollout(attn_short)[0], atol=1e-6, rtol=0)
+    lay = layer_maps(attn, attention_mask=mask)
+    hd = head_maps(attn, attention_mask=mask)
+    assert lay.shape == (1, 2, 7) and hd.shape == (1, 2, 2, 7)
+    assert torch.equal(lay[..., 4:], torch.zeros(1, 2, 3))
+    assert torch.equal(hd[..., 4:], torch.zeros(1, 2, 2, 3))
+    torch.testing.assert_close(lay.sum(-1), torch.ones(1, 2))
+    torch.testing.assert_close(hd.sum(-1), torch.ones(1, 2, 2))
+
+
+def test_bad_shapes_are_rejected() -> None:
+    with pytest.raises(ValueError, match="expected attention"):
+        attention_rollout(torch.rand(3, 5, 5))
+    with pytest.raises(ValueError, match="grid"):
+        attention_rollout(_random_attn(T=17), grid=(3, 3))
+
+
+@pytest.mark.parametrize(("size", "expected"), [((32, 32), (224, 224)), ((1000, 500), (512, 256))])
+def test_overlay_is_a_png_of_bounded_size(size: tuple[int, int], expected: tuple[int, int]) -> None:
+    img = Image.new("L", size, 128)  # any mode is converted to RGB
+    heat = np.arange(16, dtype=np.float32).reshape(4, 4)
+    png = overlay_heatmap(img, heat)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    out = Image.open(io.BytesIO(png))
+    assert out.size == expected and out.mode == "RGB"
+    # the hottest cell (bottom-right) is coloured differently from the coldest (top-left)
+    px = np.asarray(out, dtype=int)
+    assert np.abs(px[-5, -5] - px[4, 4]).sum() > 100
+    # a constant map does not divide by zero
+    Image.open(io.BytesIO(overlay_heatmap(img, torch.zeros(4, 4)))).load()

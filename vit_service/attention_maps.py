@@ -1,0 +1,241 @@
+"""Attention maps from the weights a model returns with ``forward_with_attention``.
+
+Input everywhere: ``attn`` of shape ``(L, B, H, T, T)`` (layers, batch, heads, query, key), the
+rows of each ``(T, T)`` matrix being softmax distributions over keys; token 0 is ``[CLS]`` and the
+other ``N = T - 1`` tokens are image patches (row-major over the grid) or text tokens.
+
+Three views, all of the ``[CLS]`` query's row:
+
+* :func:`attention_rollout` (Abnar & Zuidema, 2020, "Quantifying Attention Flow in
+  Transformers"): per layer, fuse the heads (``mean`` by default, ``max`` or ``min``), add the
+  identity for the residual connection, renormalise every row to sum 1 (so
+  ``A_l = (W_l + I) / rowsum``; with ``mean`` fusion that is exactly ``0.5 W_l + 0.5 I``), then
+  multiply across layers, last layer on the left: ``R = A_L @ ... @ A_1``. Every row of ``R``
+  sums to 1.
+* :func:`layer_maps`: per layer, the ``[CLS]`` row of the head-averaged weights (no rollout).
+* :func:`head_maps`: per layer and head, the ``[CLS]`` row of that head's weights.
+
+**Normalisation (the same for all three).** The returned map is the ``[CLS]`` row *without* the
+``[CLS]`` column (and without padded positions, which are set to exactly 0), renormalised so
+that it sums to 1 over the ``N`` patches / real tokens. The share the ``[CLS]`` token keeps for
+itself is therefore dropped, which makes maps of different layers and models comparable. The
+only exception is a row whose mass is entirely on ``[CLS]`` (nothing to renormalise): it is
+returned as all zeros.
+
+Images: pass ``grid=(gh, gw)`` (e.g. ``(8, 8)``) to get maps shaped as the patch grid. Text: pass
+``attention_mask`` ``(B, T)`` (True = real token) so padding is excluded; one weight per token
+position ``1..T-1`` is returned.
+
+:func:`overlay_heatmap` renders a map over the input image as PNG bytes. Nothing here imports
+the web layer.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+HeadFusion = Literal["mean", "max", "min"]
+HEAD_FUSIONS: tuple[str, ...] = ("mean", "max", "min")
+
+
+def _as_5d(attn: Tensor) -> Tensor:
+    """Accept ``(L, B, H, T, T)`` or a single item ``(L, H, T, T)``; return 5-D float."""
+    if attn.ndim == 4:
+        attn = attn.unsqueeze(1)
+    if attn.ndim != 5 or attn.shape[-1] != attn.shape[-2]:
+        raise ValueError(f"expected attention of shape (L, B, H, T, T), got {tuple(attn.shape)}")
+    return attn.detach().float()
+
+
+def fuse_heads(attn: Tensor, fusion: HeadFusion = "mean") -> Tensor:
+    """``(..., H, T, T)`` -> ``(..., T, T)``: mean, max or min over the heads dimension."""
+    if fusion == "mean":
+        return attn.mean(dim=-3)
+    if fusion == "max":
+        return attn.amax(dim=-3)
+    if fusion == "min":
+        return attn.amin(dim=-3)
+    raise ValueError(f"unknown head fusion {fusion!r}; choose from {HEAD_FUSIONS}")
+
+
+def rollout_matrix(
+    attn: Tensor, head_fusion: HeadFusion = "mean", residual: bool = True
+) -> Tensor:
+    """Joint attention ``R = A_L @ ... @ A_1`` of shape ``(B, T, T)``; each row sums to 1.
+
+    ``A_l`` = heads fused, plus the identity if ``residual``, rows renormalised to sum 1.
+    """
+    a = fuse_heads(_as_5d(attn), head_fusion)  # (L, B, T, T)
+    T = a.shape[-1]
+    eye = torch.eye(T, dtype=a.dtype, device=a.device)
+    joint = eye.expand(a.shape[1], T, T)
+    for layer in a:  # first layer first; later layers multiply from the left
+        if residual:
+            layer = layer + eye
+        layer = layer / layer.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+        joint = layer @ joint  # (B, T, T)
+    return joint
+
+
+def _normalise(
+    rows: Tensor, attention_mask: Tensor | None, num_prefix_tokens: int, extra_dims: int
+) -> Tensor:
+    """Zero padded positions and renormalise the last dim to sum 1 (all zeros if it sums 0).
+
+    ``rows``: ``(B, *extra, N)``; ``attention_mask``: ``(B, T)`` over all tokens.
+    """
+    if attention_mask is not None:
+        mask = attention_mask[:, num_prefix_tokens:].to(device=rows.device, dtype=rows.dtype)
+        mask = mask.view(mask.shape[0], *([1] * extra_dims), mask.shape[-1])
+        rows = rows * mask
+    total = rows.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, rows / total.clamp_min(1e-30), torch.zeros_like(rows))
+
+
+def to_grid(maps: Tensor, grid: tuple[int, int] | None) -> Tensor:
+    """Reshape the last dim ``N`` into ``(gh, gw)`` (row-major patches); ``None``: unchanged."""
+    if grid is None:
+        return maps
+    gh, gw = grid
+    if maps.shape[-1] != gh * gw:
+        raise ValueError(f"{maps.shape[-1]} tokens do not form a {gh}x{gw} grid")
+    return maps.reshape(*maps.shape[:-1], gh, gw)
+
+
+def attention_rollout(
+    attn: Tensor,
+    head_fusion: HeadFusion = "mean",
+    attention_mask: Tensor | None = None,
+    grid: tuple[int, int] | None = None,
+    num_prefix_tokens: int = 1,
+    residual: bool = True,
+) -> Tensor:
+    """Rollout map of the ``[CLS]`` token: ``(B, N)``, or ``(B, gh, gw)`` with ``grid``.
+
+    Each map sums to 1 over the ``N`` non-``[CLS]`` tokens (padding excluded, set to 0).
+    """
+    joint = rollout_matrix(attn, head_fusion, residual)  # (B, T, T)
+    row = joint[:, 0, num_prefix_tokens:]  # (B, N)
+    return to_grid(_normalise(row, attention_mask, num_prefix_tokens, 0), grid)
+
+
+def layer_maps(
+    attn: Tensor,
+    attention_mask: Tensor | None = None,
+    grid: tuple[int, int] | None = None,
+    num_prefix_tokens: int = 1,
+    head_fusion: HeadFusion = "mean",
+) -> Tensor:
+    """Per layer, the ``[CLS]`` row of the head-fused weights: ``(B, L, N)`` or
+    ``(B, L, gh, gw)``; each map sums to 1 over the non-``[CLS]`` tokens."""
+    a = fuse_heads(_as_5d(attn), head_fusion)  # (L, B, T, T)
+    rows = a[:, :, 0, num_prefix_tokens:].permute(1, 0, 2)  # (B, L, N)
+    return to_grid(_normalise(rows, attention_mask, num_prefix_tokens, 1), grid)
+
+
+def head_maps(
+    attn: Tensor,
+    attention_mask: Tensor | None = None,
+    grid: tuple[int, int] | None = None,
+    num_prefix_tokens: int = 1,
+) -> Tensor:
+    """Per layer and head, the ``[CLS]`` row: ``(B, L, H, N)`` or ``(B, L, H, gh, gw)``; each
+    map sums to 1 over the non-``[CLS]`` tokens."""
+    a = _as_5d(attn)  # (L, B, H, T, T)
+    rows = a[:, :, :, 0, num_prefix_tokens:].permute(1, 0, 2, 3)  # (B, L, H, N)
+    return to_grid(_normalise(rows, attention_mask, num_prefix_tokens, 2), grid)
+
+
+@dataclass
+class AttentionMaps:
+    """All views of one batch. ``rollout`` ``(B, *S)``, ``layers`` ``(B, L, *S)``, ``heads``
+    ``(B, L, H, *S)`` or None, where ``S`` is ``(gh, gw)`` for images and ``(N,)`` for text."""
+
+    rollout: Tensor
+    layers: Tensor
+    heads: Tensor | None = None
+
+
+def compute_attention_maps(
+    attn: Tensor,
+    attention_mask: Tensor | None = None,
+    grid: tuple[int, int] | None = None,
+    with_heads: bool = False,
+    head_fusion: HeadFusion = "mean",
+    num_prefix_tokens: int = 1,
+) -> AttentionMaps:
+    """Rollout + per-layer maps (+ per-head maps if ``with_heads``) in one call."""
+    return AttentionMaps(
+        rollout=attention_rollout(attn, head_fusion, attention_mask, grid, num_prefix_tokens),
+        layers=layer_maps(attn, attention_mask, grid, num_prefix_tokens),
+        heads=head_maps(attn, attention_mask, grid, num_prefix_tokens) if with_heads else None,
+    )
+
+
+# --- overlay ---------------------------------------------------------------------------------
+
+
+def _colormap(values: np.ndarray, name: str) -> np.ndarray:
+    """``(h, w)`` floats in [0, 1] -> ``(h, w, 3)`` uint8 via matplotlib's colormap ``name``
+    (a built-in blue-red ramp if matplotlib is missing)."""
+    try:
+        from matplotlib import colormaps
+
+        rgba = colormaps[name](values)  # (h, w, 4) floats
+        return (rgba[..., :3] * 255).round().astype(np.uint8)
+    except ImportError:  # pragma: no cover - matplotlib is a declared dependency
+        v = values[..., None]
+        blue, red = np.array([0, 0, 160.0]), np.array([255, 230, 0.0])
+        return ((1 - v) * blue + v * red).round().astype(np.uint8)
+
+
+def heatmap_image(
+    heat: Tensor | np.ndarray, size: tuple[int, int], colormap: str = "inferno"
+) -> Image.Image:
+    """A 2-D map -> RGB image of ``size`` (w, h): min-max scaled to [0, 1], bilinearly
+    upsampled, coloured."""
+    h = np.asarray(heat.detach().cpu() if isinstance(heat, Tensor) else heat, dtype=np.float32)
+    if h.ndim != 2:
+        raise ValueError(f"heatmap must be 2-D, got shape {h.shape}")
+    lo, hi = float(h.min()), float(h.max())
+    h = (h - lo) / (hi - lo) if hi > lo else np.zeros_like(h)
+    up = np.asarray(Image.fromarray(h).resize(size, Image.BILINEAR))
+    return Image.fromarray(_colormap(np.clip(up, 0.0, 1.0), colormap))
+
+
+def overlay_heatmap(
+    image: Image.Image,
+    heat: Tensor | np.ndarray,
+    alpha: float = 0.5,
+    colormap: str = "inferno",
+    min_side: int = 224,
+    max_side: int = 512,
+) -> bytes:
+    """PNG bytes of ``heat`` (a 2-D map such as a rollout grid) blended over ``image``.
+
+    The image is resized so that its longer side lies in ``[min_side, max_side]`` (a 32x32
+    CIFAR image becomes 224x224; a photo is shrunk to at most 512), the map is min-max scaled,
+    bilinearly upsampled to that size, coloured with ``colormap`` and blended with weight
+    ``alpha``. The numbers in the map itself are not changed by this rendering.
+    """
+    img = image.convert("RGB")
+    w, h = img.size
+    longest = max(w, h)
+    scale = min(max(1.0, min_side / longest), max_side / longest)
+    if scale != 1.0:
+        img = img.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BICUBIC)
+    heat_img = heatmap_image(heat, img.size, colormap)
+    blended = Image.blend(img, heat_img, alpha)
+    buf = io.BytesIO()
+    blended.save(buf, format="PNG")
+    return buf.getvalue()
