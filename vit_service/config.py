@@ -32,6 +32,38 @@ class Settings(BaseSettings):
     # --- API -------------------------------------------------------------------------------------
     api_key: SecretStr | None = Field(None, description="Bearer key for mutating routes")
 
+    # --- serving (REST API; owned by serving/) ----------------------------------------------------
+    # VIT_SERVICE_MODELS='{"cifar10-vit": "models:/cifar10-vit@champion", "x": "/path/to/bundle"}'
+    models: dict[str, str] = Field(
+        default_factory=lambda: {
+            "cifar10-vit": "models:/cifar10-vit@champion",
+            "imdb-sentiment": "models:/imdb-sentiment@champion",
+        },
+        description="served name -> source: models:/name@alias, models:/name/version, "
+        "runs:/<run_id>/model, or a local bundle folder",
+    )
+    default_image_model: str = Field("cifar10-vit", description="model used by /v1/predict/image")
+    default_text_model: str = Field("imdb-sentiment", description="model used by /v1/predict/text")
+    host: str = Field("127.0.0.1", description="`vit-service serve` bind address")
+    port: int = Field(8000, ge=0, le=65535, description="`vit-service serve` port")
+    reload_interval_s: float = Field(
+        30.0, ge=0, description="poll the registry for moved aliases this often; 0 = never"
+    )
+    max_batch_size: int = Field(32, ge=1, description="most inputs in one forward pass")
+    max_wait_ms: float = Field(
+        2.0, ge=0, description="how long a batch waits for more requests after the first"
+    )
+    max_body_bytes: int = Field(10 * 1024 * 1024, ge=1, description="request body limit")
+    max_image_pixels: int = Field(
+        4096 * 4096, ge=1, description="width*height limit per image (decompression bombs)"
+    )
+    max_items_per_request: int = Field(64, ge=1, description="images or texts per request")
+    max_text_chars: int = Field(100_000, ge=1, description="characters per text")
+    ready_requires_all: bool = Field(
+        True, description="/readyz: every configured model loaded (else: at least one)"
+    )
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
+
     @property
     def resolved_tracking_uri(self) -> str:
         if self.tracking_uri:

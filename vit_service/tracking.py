@@ -177,11 +177,39 @@ def resolve_model(uri_or_name: str, client: MlflowClient | None = None) -> Model
 
 def download_bundle(ref: ModelRef, dst: str | Path | None = None) -> Path:
     """Download a registered version's bundle folder and return its local path."""
+    return download_bundle_uri(f"models:/{ref.name}/{ref.version}", dst)
+
+
+def download_bundle_uri(artifact_uri: str, dst: str | Path | None = None) -> Path:
+    """Download a logged model (``models:/name/version``, ``runs:/<run_id>/model``...) and
+    return the local path of the bundle folder inside it."""
     dst = Path(dst or tempfile.mkdtemp(prefix="vit-service-model-"))
-    local = mlflow.artifacts.download_artifacts(
-        artifact_uri=f"models:/{ref.name}/{ref.version}", dst_path=str(dst)
-    )
-    path = Path(local) / "artifacts" / BUNDLE_ARTIFACT
-    if not path.is_dir():
-        raise FileNotFoundError(f"models:/{ref.name}/{ref.version} holds no vit-service bundle")
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=artifact_uri, dst_path=str(dst)))
+    path = bundle_dir_in_model(local)
+    if path is None:
+        raise FileNotFoundError(f"{artifact_uri} holds no vit-service bundle")
     return path
+
+
+def bundle_dir_in_model(model_dir: str | Path) -> Path | None:
+    """The bundle folder inside a downloaded pyfunc model folder, or ``None``.
+
+    MLflow keeps the logged folder's own name (``artifacts/<basename>``), so the path is read
+    from the ``MLmodel`` file rather than assumed to be ``artifacts/bundle``.
+    """
+    import yaml
+
+    model_dir = Path(model_dir)
+    candidates: list[Path] = []
+    mlmodel = model_dir / "MLmodel"
+    if mlmodel.is_file():
+        spec = yaml.safe_load(mlmodel.read_text()) or {}
+        art = spec.get("flavors", {}).get("python_function", {}).get("artifacts") or {}
+        rel = (art.get(BUNDLE_ARTIFACT) or {}).get("path")
+        if rel:
+            candidates.append(model_dir / rel)
+    candidates.append(model_dir / "artifacts" / BUNDLE_ARTIFACT)
+    for c in candidates:
+        if (c / "meta.json").is_file():
+            return c
+    return None
