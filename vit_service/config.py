@@ -64,6 +64,25 @@ class Settings(BaseSettings):
     )
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
 
+    # --- training jobs over the API (owned by serving/jobs) -----------------------------------
+    jobs_db_url: str | None = Field(
+        None, description="SQLAlchemy URL of the jobs database; default: SQLite under home"
+    )
+    jobs_concurrency: int | None = Field(
+        None, ge=1, description="jobs running at once; default 1 per GPU, 1 on CPU"
+    )
+    jobs_cancel_grace_s: float = Field(
+        30.0, ge=0, description="after SIGTERM, wait this long for a checkpoint before SIGKILL"
+    )
+    jobs_max_procs: int = Field(8, ge=1, description="most processes (torchrun) one job may ask")
+    jobs_poll_s: float = Field(0.5, gt=0, description="how often the job scheduler looks around")
+
+    @property
+    def resolved_jobs_db_url(self) -> str:
+        if self.jobs_db_url:
+            return self.jobs_db_url
+        return f"sqlite:///{(self.home / 'jobs.db').resolve()}"
+
     @property
     def resolved_tracking_uri(self) -> str:
         if self.tracking_uri:
