@@ -1,0 +1,170 @@
+"""Job records in a real database (SQLite by default, any SQLAlchemy URL, PostgreSQL in docker)."""
+
+from __future__ import annotations
+
+import enum
+import json
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, Integer, String, Text, create_engine, select
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+
+class JobState(str, enum.Enum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in (JobState.succeeded, JobState.failed, JobState.cancelled)
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class _JobRow(_Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    recipe: Mapped[str] = mapped_column(String(100))
+    overrides: Mapped[dict] = mapped_column(JSON, default=dict)
+    nprocs: Mapped[int] = mapped_column(Integer, default=1)
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    pid_start: Mapped[str | None] = mapped_column(String(32), nullable=True)  # pid-reuse guard
+    run_dir: Mapped[str] = mapped_column(Text)
+    resume: Mapped[int] = mapped_column(Integer, default=0)  # 1: next start resumes
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    mlflow_run_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    progress: Mapped[dict] = mapped_column(JSON, default=dict)
+
+
+@dataclass
+class JobRecord:
+    """A detached, plain copy of one job row."""
+
+    id: str
+    name: str
+    recipe: str
+    overrides: dict[str, Any]
+    nprocs: int
+    state: JobState
+    created_at: datetime
+    run_dir: str
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    exit_code: int | None = None
+    reason: str | None = None
+    pid: int | None = None
+    pid_start: str | None = None
+    resume: bool = False
+    attempts: int = 0
+    mlflow_run_id: str | None = None
+    progress: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.run_dir) / "job.log"
+
+
+def _record(row: _JobRow) -> JobRecord:
+    def aware(d: datetime | None) -> datetime | None:  # SQLite drops tzinfo
+        return d.replace(tzinfo=timezone.utc) if d is not None and d.tzinfo is None else d
+
+    return JobRecord(
+        id=row.id, name=row.name, recipe=row.recipe, overrides=dict(row.overrides or {}),
+        nprocs=row.nprocs, state=JobState(row.state), created_at=aware(row.created_at),
+        run_dir=row.run_dir, started_at=aware(row.started_at), finished_at=aware(row.finished_at),
+        exit_code=row.exit_code, reason=row.reason, pid=row.pid, pid_start=row.pid_start,
+        resume=bool(row.resume), attempts=row.attempts, mlflow_run_id=row.mlflow_run_id,
+        progress=json.loads(json.dumps(row.progress or {})),
+    )
+
+
+class JobStore:
+    """Thread-safe CRUD over the jobs table (each call opens its own session)."""
+
+    def __init__(self, url: str) -> None:
+        if url.startswith("sqlite:///"):
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        kwargs: dict[str, Any] = {}
+        if url.startswith("sqlite"):
+            kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        self.engine = create_engine(url, pool_pre_ping=True, **kwargs)
+        _Base.metadata.create_all(self.engine)
+        self._session = sessionmaker(self.engine, expire_on_commit=False)
+
+    def create(
+        self, *, name: str, recipe: str, overrides: dict[str, Any], nprocs: int, runs_root: Path
+    ) -> JobRecord:
+        job_id = uuid.uuid4().hex[:12]
+        row = _JobRow(
+            id=job_id, name=name or f"{recipe}-{job_id}", recipe=recipe, overrides=overrides,
+            nprocs=nprocs, state=JobState.queued.value, created_at=utcnow(),
+            run_dir=str((runs_root / f"job-{job_id}").resolve()), progress={},
+        )
+        with self._session.begin() as s:
+            s.add(row)
+        return self.get(job_id)
+
+    def get(self, job_id: str) -> JobRecord | None:
+        with self._session() as s:
+            row = s.get(_JobRow, job_id)
+            return _record(row) if row is not None else None
+
+    def list(self, state: JobState | None = None, limit: int = 100) -> list[JobRecord]:
+        q = select(_JobRow).order_by(_JobRow.created_at.desc()).limit(limit)
+        if state is not None:
+            q = q.where(_JobRow.state == state.value)
+        with self._session() as s:
+            return [_record(r) for r in s.scalars(q)]
+
+    def oldest_queued(self) -> JobRecord | None:
+        q = (select(_JobRow).where(_JobRow.state == JobState.queued.value)
+             .order_by(_JobRow.created_at).limit(1))
+        with self._session() as s:
+            row = s.scalars(q).first()
+            return _record(row) if row is not None else None
+
+    def update(self, job_id: str, **values: Any) -> JobRecord:
+        if isinstance(values.get("state"), JobState):
+            values["state"] = values["state"].value
+        if "resume" in values:
+            values["resume"] = int(bool(values["resume"]))
+        with self._session.begin() as s:
+            row = s.get(_JobRow, job_id)
+            if row is None:
+                raise KeyError(job_id)
+            for k, v in values.items():
+                setattr(row, k, v)
+        return self.get(job_id)
+
+    def transition(self, job_id: str, expect: set[JobState], **values: Any) -> JobRecord | None:
+        """Update only if the job is in one of ``expect`` states (compare-and-set)."""
+        with self._session.begin() as s:
+            row = s.get(_JobRow, job_id, with_for_update=True)
+            if row is None or JobState(row.state) not in expect:
+                return None
+            for k, v in values.items():
+                if isinstance(v, JobState):
+                    v = v.value
+                setattr(row, k, v)
+        return self.get(job_id)

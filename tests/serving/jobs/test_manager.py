@@ -1,0 +1,139 @@
+"""JobManager mechanics with a small real worker process standing in for `vit-service train`.
+
+(The end-to-end tests with the real trainer and a real API server are in test_jobs_api.py.)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from serving.jobs import JobError, JobManager, JobState
+from vit_service.config import Settings
+
+WORKER = r"""
+import json, signal, sys, time
+steps = int(sys.argv[1]); fail = sys.argv[2] == "fail"
+def term(*_):
+    print(json.dumps({"event": "end", "status": "interrupted"}), flush=True); sys.exit(143)
+signal.signal(signal.SIGTERM, term)
+print(json.dumps({"event": "start", "mlflow_run_id": "abc123", "total_steps": steps}), flush=True)
+for i in range(1, steps + 1):
+    time.sleep(0.05)
+    print(json.dumps({"event": "step", "step": i, "epoch": 0, "loss": 1.0 / i}), flush=True)
+if fail:
+    print("Traceback: boom", flush=True); sys.exit(3)
+print(json.dumps({"event": "end", "status": "succeeded", "val_acc": 0.5}), flush=True)
+"""
+
+
+class _Manager(JobManager):
+    """Runs WORKER instead of the trainer; everything else is the real manager."""
+
+    def command(self, job):  # type: ignore[override]
+        return [sys.executable, "-c", WORKER, str(job.overrides.get("steps", 5)),
+                job.overrides.get("mode", "ok")]
+
+
+def _validate(recipe: str, overrides: dict) -> None:
+    if recipe != "fake":
+        raise JobError(422, f"unknown recipe {recipe!r}")
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return Settings(home=tmp_path / "home", data_dir=tmp_path / "data", jobs_poll_s=0.05,
+                    jobs_cancel_grace_s=5, jobs_concurrency=1)
+
+
+def _wait(mgr: JobManager, job_id: str, states: set[JobState], timeout: float = 20) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        mgr.tick()
+        if mgr.get(job_id).state in states:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} still {mgr.get(job_id).state}")
+
+
+def test_job_runs_to_success_with_progress(settings: Settings) -> None:
+    mgr = _Manager(settings, validate=_validate)
+    job = mgr.submit("fake", {"steps": 4})
+    assert job.state == JobState.queued
+    _wait(mgr, job.id, {JobState.succeeded})
+    done = mgr.get(job.id)
+    assert done.exit_code == 0 and done.started_at and done.finished_at
+    assert done.mlflow_run_id == "abc123"
+    assert done.progress["step"] == 4 and done.progress["metrics"]["val_acc"] == 0.5
+    assert any("event" in line for line in mgr.logs(job.id, tail=3))
+
+
+def test_failure_records_exit_code_and_reason(settings: Settings) -> None:
+    mgr = _Manager(settings, validate=_validate)
+    job = mgr.submit("fake", {"steps": 2, "mode": "fail"})
+    _wait(mgr, job.id, {JobState.failed})
+    done = mgr.get(job.id)
+    assert done.exit_code == 3 and "code 3" in done.reason
+    assert mgr.logs(job.id, tail=2)[-1].startswith("Traceback")
+
+
+def test_queue_respects_concurrency_and_cancel(settings: Settings) -> None:
+    mgr = _Manager(settings, validate=_validate)
+    a = mgr.submit("fake", {"steps": 200})
+    b = mgr.submit("fake", {"steps": 2})
+    _wait(mgr, a.id, {JobState.running})
+    mgr.tick()
+    assert mgr.get(b.id).state == JobState.queued  # one at a time
+    cancelled_b = mgr.cancel(b.id)
+    assert cancelled_b.state == JobState.cancelled
+    mgr.cancel(a.id)
+    _wait(mgr, a.id, {JobState.cancelled})
+    assert mgr.get(a.id).exit_code == 143
+    with pytest.raises(JobError) as e:
+        mgr.cancel(a.id)
+    assert e.value.status == 409
+
+
+def test_invalid_requests(settings: Settings) -> None:
+    mgr = _Manager(settings, validate=_validate)
+    with pytest.raises(JobError) as e:
+        mgr.submit("nope", {})
+    assert e.value.status == 422
+    with pytest.raises(JobError) as e:
+        mgr.submit("fake", {"data.data_dir": "/etc"})
+    assert e.value.status == 422 and "outside the allowed roots" in str(e.value.detail)
+    with pytest.raises(JobError) as e:
+        mgr.submit("fake", {"init.timm_file": "../../etc/passwd"})
+    assert e.value.status == 422
+    with pytest.raises(JobError) as e:
+        mgr.submit("fake", {}, nprocs=99)
+    assert e.value.status == 422
+    with pytest.raises(JobError) as e:
+        mgr.get("missing")
+    assert e.value.status == 404
+
+
+def test_restart_readopts_live_jobs_and_fails_dead_ones(settings: Settings) -> None:
+    mgr = _Manager(settings, validate=_validate)
+    live = mgr.submit("fake", {"steps": 60})
+    _wait(mgr, live.id, {JobState.running})
+    # a second "server" on the same database, while the first is gone (no more ticks)
+    mgr2 = _Manager(settings, validate=_validate)
+    mgr2.recover()
+    assert mgr2.get(live.id).state == JobState.running
+    _wait(mgr2, live.id, {JobState.succeeded})
+    assert mgr2.get(live.id).progress["step"] == 60
+
+    dead = mgr2.store.create(name="x", recipe="fake", overrides={}, nprocs=1,
+                             runs_root=mgr2.runs_root)
+    mgr2.store.update(dead.id, state=JobState.running, pid=999_999_9, pid_start="1")
+    mgr3 = _Manager(settings, validate=_validate)
+    mgr3.recover()
+    gone = mgr3.get(dead.id)
+    assert gone.state == JobState.failed and "resume" in gone.reason
+    again = mgr3.resume(dead.id)
+    assert again.state == JobState.queued and again.resume
+    assert "--resume" in JobManager.command(mgr3, again)
