@@ -1,0 +1,99 @@
+"""Fixtures: tiny data sets in the real formats, an isolated home/cache/MLflow per session."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[2]
+CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
+           "truck"]
+POS_WORDS = "great wonderful superb moving brilliant loved delightful masterpiece".split()
+NEG_WORDS = "awful boring terrible dull waste hated clumsy disaster".split()
+FILLER = "the film movie plot actor scene story was and a it this of to".split()
+
+
+def _add(tf: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tf.addfile(info, io.BytesIO(data))
+
+
+def make_cifar_archive(path: Path, per_class: int = 50, seed: int = 0) -> Path:
+    """``cifar10-jpeg/train/<class>/<i>.jpg``: each class a distinct colour + noise, so a tiny
+    model can learn it in a few steps."""
+    rng = np.random.default_rng(seed)
+    colours = rng.integers(0, 256, size=(len(CLASSES), 3))
+    with tarfile.open(path, "w:gz") as tf:
+        for k, cls in enumerate(CLASSES):
+            for i in range(per_class):
+                noise = rng.normal(0, 25, size=(32, 32, 3))
+                img = np.clip(colours[k] + noise, 0, 255).astype(np.uint8)
+                img[k * 3 : k * 3 + 3, :, :] = 255  # a class-specific bright stripe
+                buf = io.BytesIO()
+                Image.fromarray(img).save(buf, format="JPEG", quality=90)
+                _add(tf, f"cifar10-jpeg/train/{cls}/{i:04d}.jpg", buf.getvalue())
+    return path
+
+
+def make_imdb_archive(path: Path, per_class: int = 120, seed: int = 0) -> Path:
+    """``aclImdb/train/{pos,neg,unsup}/<id>_<rating>.txt`` with sentiment words."""
+    rng = np.random.default_rng(seed)
+    with tarfile.open(path, "w:gz") as tf:
+        for label, words in (("pos", POS_WORDS), ("neg", NEG_WORDS)):
+            for i in range(per_class):
+                n = int(rng.integers(10, 80))
+                toks = list(rng.choice(FILLER, size=n)) + list(rng.choice(words, size=3))
+                rng.shuffle(toks)
+                rating = int(rng.integers(7, 11)) if label == "pos" else int(rng.integers(1, 5))
+                text = " ".join(toks) + ".<br /><br />" + " ".join(rng.choice(FILLER, 5))
+                _add(tf, f"aclImdb/train/{label}/{i}_{rating}.txt", text.encode())
+        _add(tf, "aclImdb/train/unsup/0_0.txt", b"unlabelled review text")
+        _add(tf, "aclImdb/imdb.vocab", "\n".join(POS_WORDS + NEG_WORDS + FILLER).encode())
+    return path
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("data")
+    make_cifar_archive(d / "cifar10-jpeg-train.tar.gz")
+    make_imdb_archive(d / "aclImdb-train.tar.gz")
+    return d
+
+
+@pytest.fixture
+def env(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """A private home, cache and SQLite MLflow for one test (also set in os.environ)."""
+    home = tmp_path / "home"
+    values = {
+        "VIT_SERVICE_HOME": str(home),
+        "VIT_SERVICE_CACHE_DIR": str(data_dir.parent / "cache"),  # shared: decode once
+        "VIT_SERVICE_DATA_DIR": str(data_dir),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
+        "LOG_LEVEL": "WARNING",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+    }
+    for k, v in values.items():
+        monkeypatch.setenv(k, v)
+    from vit_service.config import get_settings
+
+    get_settings.cache_clear()
+    yield values
+    get_settings.cache_clear()
+
+
+def run_cli(args: list[str], env: dict[str, str], timeout: float = 240,
+            **kw: object) -> subprocess.CompletedProcess[str]:
+    """``python -m vit_service.cli ARGS`` in a subprocess (stdout captured: not a TTY)."""
+    full_env = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-m", "vit_service.cli", *args], cwd=REPO,
+                          env=full_env, capture_output=True, text=True, timeout=timeout,
+                          **kw)  # type: ignore[call-overload]

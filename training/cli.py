@@ -1,0 +1,148 @@
+"""``vit-service train | recipes | evaluate`` (registered into :mod:`vit_service.cli`).
+
+Exit codes: 0 done; 2 bad usage, bad recipe or missing data (a clear message, no traceback);
+143 stopped by SIGTERM (130 by SIGINT) after writing a checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "train", help="train a model from a recipe",
+        description="Train RECIPE (a name from `vit-service recipes` or a YAML path), log it to "
+        "MLflow and register the model. Progress: a bar on a terminal, JSON lines otherwise.")
+    p.add_argument("recipe", help="recipe name or path to a recipe YAML")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe value, dotted (optim.lr=1e-3); repeatable")
+    p.add_argument("--data-dir", help="data folder or archive (default: $VIT_SERVICE_DATA_DIR "
+                   "or ./data)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI "
+                   "or SQLite under $VIT_SERVICE_HOME)")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="override recipe.device")
+    p.add_argument("--max-steps", type=int, help="stop after N steps (schedule unchanged)")
+    p.add_argument("--subset", type=int, help="train on N examples (data.subset)")
+    p.add_argument("--resume", metavar="PATH|auto", help="continue from a checkpoint, a run "
+                   "folder, or `auto` (latest checkpoint of --run-name or of this recipe)")
+    p.add_argument("--run-name", help="run name (default: <recipe>-<timestamp>); the run folder "
+                   "is $VIT_SERVICE_HOME/runs/<run-name>")
+    p.add_argument("--no-register", action="store_true",
+                   help="log the model to the run but do not register or promote it")
+    p.set_defaults(func=cmd_train)
+
+    p = subparsers.add_parser("recipes", help="list recipes, or show one resolved",
+                              description="`recipes` lists recipes; `recipes show NAME` prints "
+                              "the resolved YAML (with --set overrides applied).")
+    p.add_argument("action", nargs="?", choices=["list", "show"], default="list")
+    p.add_argument("name", nargs="?")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_recipes)
+
+    p = subparsers.add_parser(
+        "evaluate", help="evaluate a trained model on the val or test split",
+        description="MODEL: a bundle folder, a registered name (its @champion), or "
+        "models:/name@alias | models:/name/version.")
+    p.add_argument("model")
+    p.add_argument("--split", choices=["val", "test"], default="val")
+    p.add_argument("--data-dir")
+    p.add_argument("--tracking-uri")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--batch-size", type=int, default=512)
+    p.set_defaults(func=cmd_evaluate)
+
+
+def _settings() -> Any:
+    from vit_service.config import Settings
+
+    return Settings()  # fresh: reads the environment now
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from training.recipes import RecipeError, load_recipe, parse_overrides
+    from vit_service.data import DataNotFoundError
+
+    settings = _settings()
+    data_dir = args.data_dir or settings.data_dir
+    try:
+        overrides: dict[str, Any] = parse_overrides(args.overrides)
+        if args.subset is not None:
+            overrides["data.subset"] = args.subset
+        resume_overrides: dict[str, Any] = {}
+        if args.max_steps is not None:
+            resume_overrides["max_steps"] = args.max_steps
+        if args.device is not None:
+            resume_overrides["device"] = args.device
+        if args.resume and overrides:
+            raise RecipeError("--resume continues the checkpoint's recipe; only --max-steps and "
+                              "--device may change", [(k, "not allowed") for k in overrides])
+        recipe = load_recipe(args.recipe, {**overrides, **resume_overrides})
+    except RecipeError as e:
+        return _fail(str(e))
+
+    from training.trainer import train
+
+    try:
+        result = train(recipe, data_dir=data_dir, run_name=args.run_name, resume=args.resume,
+                       resume_overrides=resume_overrides, tracking_uri=args.tracking_uri,
+                       register=not args.no_register, settings=settings)
+    except DataNotFoundError as e:
+        return _fail(str(e))
+    except (RecipeError, FileNotFoundError) as e:
+        return _fail(str(e))
+    return result.exit_code
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from training.recipes import RecipeError, list_recipes, load_recipe, parse_overrides
+
+    if args.action == "list" and args.name is None:
+        rows = list_recipes()
+        width = max(map(len, rows), default=0)
+        for name, desc in rows.items():
+            print(f"{name:<{width}}  {desc}")
+        return 0
+    name = args.name
+    if name is None:
+        return _fail("usage: vit-service recipes show NAME")
+    try:
+        print(load_recipe(name, parse_overrides(args.overrides)).to_yaml(), end="")
+    except RecipeError as e:
+        return _fail(str(e))
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from mlflow.exceptions import MlflowException
+
+    from training.evaluate import evaluate_bundle
+    from vit_service import tracking
+    from vit_service.data import DataNotFoundError
+
+    settings = _settings()
+    tracking.configure(args.tracking_uri, settings)
+    device = args.device
+    if device == "auto":
+        from training.distributed import resolve_device
+
+        device = str(resolve_device("auto"))
+    try:
+        res = evaluate_bundle(args.model, args.split, args.data_dir or settings.data_dir,
+                              settings.cache_dir, args.batch_size, device)
+    except DataNotFoundError as e:
+        return _fail(str(e))
+    except (MlflowException, FileNotFoundError, ValueError) as e:
+        return _fail(f"cannot evaluate {args.model!r}: {e}")
+    print(f"model {args.model}  split {args.split}")
+    print(res.format_table())
+    return 0

@@ -1,0 +1,285 @@
+"""Training recipes: YAML files validated by one pydantic schema.
+
+A recipe says everything a run needs (model preset and overrides, data, optimiser, augmentation,
+schedule, device, registration). ``load_recipe(name, overrides)`` is a pure function: read the
+YAML, apply dotted overrides (``optim.lr=1e-3``, ``model.pos_encoding=learned``), validate, and
+return a :class:`Recipe` or raise :class:`RecipeError` naming every bad key. The CLI and the jobs
+API both go through it.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from vit_service.models import get_config, list_models
+
+RECIPES_DIR = Path(__file__).parent / "recipes"
+
+# YAML 1.1 reads "1e-3" as a string; accept the usual float spellings in overrides and files.
+_FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+class RecipeError(ValueError):
+    """A recipe could not be loaded: unknown name, unknown key, or a value of the wrong type.
+
+    ``errors`` holds ``(dotted key, message)`` pairs.
+    """
+
+    def __init__(self, message: str, errors: list[tuple[str, str]] | None = None) -> None:
+        self.errors = errors or []
+        lines = [message] + [f"  {k}: {m}" for k, m in self.errors]
+        super().__init__("\n".join(lines))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(_Strict):
+    name: str = Field(description="preset name, see `vit_service.models.list_models()`")
+    pos_encoding: Literal["learned", "sinusoidal", "none"] = Field(
+        description="positional encoding; explicit in every recipe (an ablation knob)"
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="other preset fields to replace (depth, drop_rate...)"
+    )
+
+    @model_validator(mode="after")
+    def _check_preset(self) -> ModelSpec:
+        if self.name not in list_models():
+            raise ValueError(f"unknown model {self.name!r}; available: {', '.join(list_models())}")
+        fixed = {"pos_encoding", "num_classes", "vocab_size", "pad_id"} & set(self.overrides)
+        if fixed:
+            raise ValueError(f"model.overrides may not set {sorted(fixed)} (set by recipe/data)")
+        try:
+            get_config(self.name, pos_encoding=self.pos_encoding, **self.overrides)
+        except (TypeError, ValueError) as e:
+            raise ValueError(str(e)) from None
+        return self
+
+
+class DataSpec(_Strict):
+    dataset: Literal["cifar10", "imdb"]
+    val_size: int = Field(ge=1, description="held-out examples carved (stratified) from train")
+    split_seed: int = Field(0, description="seed of the train/val split (keep fixed to compare)")
+    subset: int | None = Field(None, ge=1, description="train on N (stratified) train rows")
+    image_size: int = Field(32, ge=8)
+    vocab_size: int | None = Field(None, ge=64, description="text: subword vocabulary size")
+    max_len: int | None = Field(None, ge=8, description="text: tokens per review incl. [CLS]")
+    length_buckets: bool = Field(True, description="text: batch reviews of similar length")
+
+    @model_validator(mode="after")
+    def _check_text_fields(self) -> DataSpec:
+        if self.dataset == "imdb" and (self.vocab_size is None or self.max_len is None):
+            raise ValueError("imdb needs data.vocab_size and data.max_len")
+        return self
+
+
+class OptimSpec(_Strict):
+    lr: float = Field(gt=0, description="peak learning rate (for the global batch)")
+    min_lr: float = Field(0.0, ge=0, description="cosine floor")
+    weight_decay: float = Field(0.05, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    warmup_epochs: float | None = Field(None, ge=0)
+    warmup_steps: int | None = Field(None, ge=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    grad_clip: float | None = Field(None, gt=0, description="max global grad norm; null = off")
+    ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of weights; null = off")
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> OptimSpec:
+        if self.warmup_epochs is not None and self.warmup_steps is not None:
+            raise ValueError("set warmup_epochs or warmup_steps, not both")
+        return self
+
+
+class AugmentSpec(_Strict):
+    crop_padding: int = Field(0, ge=0, description="random crop after zero padding; 0 = off")
+    hflip: bool = False
+    cutmix_prob: float = Field(0.0, ge=0, le=1, description="per-batch probability of CutMix")
+    cutmix_alpha: float = Field(1.0, gt=0)
+    mixup_alpha: float = Field(0.0, ge=0, description="Mixup on batches without CutMix; 0 = off")
+    randaugment_ops: int = Field(0, ge=0, description="RandAugment ops per image; 0 = off")
+    randaugment_magnitude: int = Field(9, ge=0, le=30)
+
+
+class Recipe(_Strict):
+    name: str = Field(description="recipe name (file stem)")
+    description: str = ""
+    model: ModelSpec
+    data: DataSpec
+    optim: OptimSpec
+    augment: AugmentSpec = Field(default_factory=AugmentSpec)
+    epochs: int = Field(ge=1)
+    batch_size: int = Field(ge=1, description="global batch (split across DDP ranks)")
+    eval_batch_size: int = Field(512, ge=1)
+    seed: int = 0
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    amp: bool = Field(True, description="bf16 autocast on CUDA (ignored on CPU: fp32)")
+    compile: bool = Field(False, description="torch.compile the training forward")
+    max_steps: int | None = Field(
+        None, ge=1, description="stop after N steps; the schedule still spans `epochs`"
+    )
+    log_every: int = Field(20, ge=1, description="steps between train metric logs")
+    attention_samples: int = Field(8, ge=0, description="val examples in the attention sheet")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (CPU)")
+    register_as: Literal["cifar10-vit", "imdb-sentiment"] | None = None
+    experiment: str = Field(min_length=1)
+
+    @property
+    def task(self) -> Literal["image", "text"]:
+        return "image" if self.data.dataset == "cifar10" else "text"
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Recipe:
+        is_vit = self.model.name in list_models("vit")
+        if is_vit != (self.data.dataset == "cifar10"):
+            raise ValueError(f"model {self.model.name!r} does not fit dataset {self.data.dataset}")
+        expected = {"cifar10": "cifar10-vit", "imdb": "imdb-sentiment"}[self.data.dataset]
+        if self.register_as not in (None, expected):
+            raise ValueError(f"register_as must be {expected!r} or null for {self.data.dataset}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------- loading
+
+
+def parse_value(value: Any) -> Any:
+    """A string from the command line -> a Python value by YAML scalar rules (``2`` -> int,
+    ``1e-3`` -> float, ``null`` -> None, ``[0.9, 0.95]`` -> list); other values pass through."""
+    if not isinstance(value, str):
+        return value
+    if _FLOAT_RE.match(value.strip()):
+        return int(value) if re.fullmatch(r"[+-]?\d+", value.strip()) else float(value)
+    try:
+        return _fix_floats(yaml.safe_load(value)) if value.strip() else ""
+    except yaml.YAMLError:
+        return value
+
+
+def _fix_floats(obj: Any) -> Any:
+    if isinstance(obj, str) and _FLOAT_RE.match(obj.strip()) and not obj.strip().isdigit():
+        return float(obj)
+    if isinstance(obj, dict):
+        return {k: _fix_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_fix_floats(v) for v in obj]
+    return obj
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Copy of ``raw`` with each dotted key set (``"optim.lr": "1e-3"``). Missing intermediate
+    tables are created, so unknown keys reach validation and are reported there."""
+    out = copy.deepcopy(raw)
+    errors: list[tuple[str, str]] = []
+    for key, value in overrides.items():
+        parts = [p for p in str(key).split(".")]
+        if not all(parts):
+            errors.append((str(key), "malformed key"))
+            continue
+        node: Any = out
+        for i, p in enumerate(parts[:-1]):
+            if node.get(p) is None:
+                node[p] = {}
+            if not isinstance(node[p], dict):
+                errors.append((str(key), f"{'.'.join(parts[: i + 1])} is not a table"))
+                break
+            node = node[p]
+        else:
+            node[parts[-1]] = parse_value(value)
+    if errors:
+        raise RecipeError("bad override(s):", errors)
+    return out
+
+
+def parse_overrides(pairs: list[str] | None) -> dict[str, str]:
+    """``["a.b=1", "c=x"]`` -> ``{"a.b": "1", "c": "x"}`` (the CLI's ``--set``)."""
+    out: dict[str, str] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise RecipeError("bad --set value:", [(pair, "expected KEY=VALUE")])
+        out[key.strip()] = value.strip()
+    return out
+
+
+def recipe_path(name: str | Path) -> Path:
+    """A recipe name (``cifar10-smoke``) or a path to a YAML file -> the file."""
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p
+    candidate = RECIPES_DIR / f"{name}.yaml"
+    if candidate.is_file():
+        return candidate
+    raise RecipeError(f"unknown recipe {str(name)!r}; available: {', '.join(list_recipes())}")
+
+
+def validate_recipe(raw: Mapping[str, Any]) -> Recipe:
+    """Validate a recipe dict (e.g. from the jobs API); raise :class:`RecipeError`."""
+    try:
+        return Recipe.model_validate(_fix_floats(dict(raw)))
+    except ValidationError as e:
+        errors = []
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "(recipe)"
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key"
+            elif err["type"] == "missing":
+                msg = "required key is missing"
+            else:
+                msg = f"{err['msg']} (got {err.get('input')!r})"
+            errors.append((key, msg))
+        raise RecipeError(f"invalid recipe {raw.get('name', '?')!r}:", errors) from None
+
+
+def load_recipe(
+    name: str | Path, overrides: Mapping[str, Any] | None = None
+) -> Recipe:
+    """Read recipe ``name`` (or a YAML path), apply dotted ``overrides``, validate."""
+    path = recipe_path(name)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe must be a mapping")
+    raw.setdefault("name", path.stem)
+    return validate_recipe(apply_overrides(raw, overrides or {}))
+
+
+def list_recipes() -> dict[str, str]:
+    """Recipe name -> one-line description, for every YAML in ``training/recipes``."""
+    out = {}
+    for p in sorted(RECIPES_DIR.glob("*.yaml")):
+        try:
+            desc = (yaml.safe_load(p.read_text()) or {}).get("description", "")
+        except yaml.YAMLError:
+            desc = "(invalid YAML)"
+        out[p.stem] = str(desc).strip().splitlines()[0] if desc else ""
+    return out
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dict -> dotted keys (``{"optim": {"lr": 1}}`` -> ``{"optim.lr": 1}``)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, f"{key}."))
+        else:
+            out[key] = v
+    return out

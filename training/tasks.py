@@ -1,0 +1,350 @@
+"""Task adapters: the data side of training, one class per input kind.
+
+Both keep the whole (train, val) data as tensors on the training device (uint8 images
+``(N, 3, H, W)`` or int32 token ids ``(N, max_len)``), cut batches by indexing with a per-epoch
+permutation, and augment on the device. The trainer only sees :class:`Batch` objects and calls
+``task.forward(model, batch)``.
+
+Batches: every rank draws the same permutation of the train part for an epoch (seeded by the
+recipe seed and the epoch number, independent of any other RNG), splits it into
+``steps_per_epoch`` global batches (the remainder is dropped), and takes its own contiguous
+slice of each global batch - what a ``DistributedSampler`` does, without a ``DataLoader``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from training.augment import CutMix, ImageAugment, normalize, smooth_one_hot
+from training.distributed import DistInfo
+from training.recipes import Recipe
+from vit_service.bundle import CIFAR10_MEAN, CIFAR10_STD
+from vit_service.data import ImageDataset, load_cifar10, load_imdb, stratified_split
+from vit_service.data import cache as data_cache
+from vit_service.data.tokenizer import TextTokenizer
+from vit_service.models import create_model
+
+log = logging.getLogger(__name__)
+
+TOKENIZED_VERSION = "1"
+
+
+@dataclass
+class Batch:
+    inputs: tuple[Tensor, ...]  # positional model inputs: (images,) or (input_ids, mask)
+    labels: Tensor  # (B,) int64 hard labels
+    targets: Tensor | None = None  # (B, K) soft targets (training only)
+    n_items: int = 0  # images, or real tokens, in this rank's batch (for throughput)
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> Tensor:
+    """The same permutation of ``0..n-1`` on every rank, for this (seed, epoch)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g)
+
+
+def split_indices(
+    labels: np.ndarray, val_size: int, split_seed: int, subset: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic stratified (train, val) indices; ``subset`` keeps a stratified sample of
+    N train rows (sources are often sorted by class, so "the first N" would be one class)."""
+    val_size = min(val_size, len(labels) - 1)
+    train_idx, val_idx = stratified_split(labels, val_size, seed=split_seed)
+    if subset is not None and subset < len(train_idx):
+        _, keep = stratified_split(labels[train_idx], subset, seed=split_seed)
+        train_idx = train_idx[keep]
+    return train_idx, val_idx
+
+
+class Task:
+    """Common batching logic; subclasses hold the data."""
+
+    kind: str = ""
+    unit: str = "img"  # throughput unit
+    class_names: list[str]
+    n_train: int
+    n_val: int
+
+    def __init__(self, recipe: Recipe, dist: DistInfo) -> None:
+        self.recipe, self.dist, self.device = recipe, dist, dist.device
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def steps_per_epoch(self) -> int:
+        return max(1, self.n_train // self.recipe.batch_size)
+
+    def _global_batches(self, epoch: int) -> Tensor:
+        """``(steps, G)`` train-part row indices of every global batch of ``epoch``."""
+        if getattr(self, "_plan_epoch", None) != epoch:
+            self._plan = self._plan_epoch_batches(epoch)
+            self._plan_epoch = epoch
+        return self._plan
+
+    def _plan_epoch_batches(self, epoch: int) -> Tensor:
+        steps = self.steps_per_epoch()
+        g = min(self.recipe.batch_size, self.n_train)
+        perm = epoch_permutation(self.n_train, self.recipe.seed, epoch)
+        return perm[: steps * g].view(steps, g)
+
+    def _rank_slice(self, idx: Tensor) -> Tensor:
+        """This rank's contiguous share of one global batch."""
+        return idx.tensor_split(self.dist.world_size)[self.dist.rank]
+
+    def _val_shard(self) -> np.ndarray:
+        return np.array_split(np.arange(self.n_val), self.dist.world_size)[self.dist.rank]
+
+    # subclass API
+    def train_batch(self, epoch: int, index: int) -> Batch:
+        raise NotImplementedError
+
+    def val_batches(self, batch_size: int, all_ranks: bool = False) -> Iterator[Batch]:
+        raise NotImplementedError
+
+    def forward(self, model: nn.Module, batch: Batch) -> Tensor:
+        return model(*batch.inputs)
+
+    def build_model(self) -> nn.Module:
+        m = self.recipe.model
+        return create_model(m.name, pos_encoding=m.pos_encoding, num_classes=self.num_classes,
+                            **self.model_fields(), **m.overrides)
+
+    def model_fields(self) -> dict[str, Any]:
+        return {}
+
+    def bundle_preprocess(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @property
+    def tokenizer(self) -> TextTokenizer | None:
+        return None
+
+    def attention_report(self, model: nn.Module, out_dir: Path, n: int) -> Path | None:
+        """Render attention for ``n`` validation examples into ``out_dir``; return the file."""
+        return None
+
+
+# ----------------------------------------------------------------------------------- images
+
+
+class ImageTask(Task):
+    kind, unit = "image", "img"
+
+    def __init__(self, recipe: Recipe, dist: DistInfo, data_dir: str | Path | None,
+                 cache_dir: str | Path | None = None, dataset: ImageDataset | None = None
+                 ) -> None:
+        super().__init__(recipe, dist)
+        d = recipe.data
+        ds = dataset or load_cifar10(data_dir, "train", image_size=d.image_size,
+                                     cache_dir=cache_dir)
+        self.class_names = list(ds.class_names)
+        train_idx, val_idx = split_indices(ds.labels, d.val_size, d.split_seed, d.subset)
+        self.n_train, self.n_val = len(train_idx), len(val_idx)
+
+        def to_dev(idx: np.ndarray) -> tuple[Tensor, Tensor]:
+            x = torch.from_numpy(ds.images[idx]).permute(0, 3, 1, 2).contiguous()  # (N,3,H,W)
+            return x.to(self.device), torch.from_numpy(ds.labels[idx]).to(self.device)
+
+        self.train_x, self.train_y = to_dev(train_idx)
+        self.val_x, self.val_y = to_dev(val_idx)
+        a, o = recipe.augment, recipe.optim
+        self.augment = ImageAugment(CIFAR10_MEAN, CIFAR10_STD, a.crop_padding, a.hflip,
+                                    a.randaugment_ops, a.randaugment_magnitude, self.device)
+        self.mix = CutMix(a.cutmix_alpha, a.cutmix_prob, self.num_classes, o.label_smoothing,
+                          a.mixup_alpha)
+        log.info("cifar10: %d train / %d val images (%s), resident on %s", self.n_train,
+                 self.n_val, ds.source, self.device)
+
+    def train_batch(self, epoch: int, index: int) -> Batch:
+        idx = self._rank_slice(self._global_batches(epoch)[index]).to(self.device)
+        x = self.augment(self.train_x[idx], train=True)  # (B, 3, H, W) float
+        x, targets = self.mix(x, self.train_y[idx])
+        return Batch((x,), self.train_y[idx], targets, n_items=int(idx.numel()))
+
+    def val_batches(self, batch_size: int, all_ranks: bool = False) -> Iterator[Batch]:
+        rows = np.arange(self.n_val) if all_ranks else self._val_shard()
+        for start in range(0, len(rows), batch_size):
+            idx = torch.from_numpy(rows[start : start + batch_size]).to(self.device)
+            x = self.augment(self.val_x[idx], train=False)
+            yield Batch((x,), self.val_y[idx], n_items=int(idx.numel()))
+
+    def bundle_preprocess(self) -> dict[str, Any]:
+        return {"image_size": self.recipe.data.image_size, "mean": list(CIFAR10_MEAN),
+                "std": list(CIFAR10_STD)}
+
+    @torch.no_grad()
+    def attention_report(self, model: nn.Module, out_dir: Path, n: int) -> Path | None:
+        from training.reporting import image_attention_sheet
+
+        if n <= 0 or not hasattr(model, "forward_with_attention"):
+            return None
+        rows = torch.linspace(0, self.n_val - 1, min(n, self.n_val)).long().to(self.device)
+        raw = self.val_x[rows]  # (n, 3, H, W) uint8
+        logits, attn = model.forward_with_attention(normalize(raw, self.augment.mean,
+                                                              self.augment.std))
+        probs = logits.float().softmax(-1)
+        return image_attention_sheet(
+            raw.permute(0, 2, 3, 1).cpu().numpy(), attn.float().cpu(), model.config.grid_size,
+            self.val_y[rows].tolist(), probs.cpu(), self.class_names,
+            out_dir / "attention_rollout.png",
+        )
+
+
+# ----------------------------------------------------------------------------------- text
+
+
+def _tokenized_cache_dir(cache_dir: str | Path | None, source: str, params: dict) -> Path:
+    fp = data_cache.fingerprint(source) if source and Path(source).exists() else {"s": source}
+    key = data_cache.cache_key(fp, version=TOKENIZED_VERSION, params=params)
+    return data_cache.resolve_cache_dir(cache_dir) / "tokenized" / f"imdb-{key}"
+
+
+class TextTask(Task):
+    kind, unit = "text", "tok"
+
+    def __init__(self, recipe: Recipe, dist: DistInfo, data_dir: str | Path | None,
+                 cache_dir: str | Path | None = None) -> None:
+        super().__init__(recipe, dist)
+        d = recipe.data
+        assert d.vocab_size is not None and d.max_len is not None
+        self.max_len = d.max_len
+        ds = load_imdb(data_dir, "train", cache_dir=cache_dir)
+        self.class_names = list(ds.class_names)
+        labels = np.asarray(ds.labels)
+        train_idx, val_idx = split_indices(labels, d.val_size, d.split_seed, d.subset)
+        self.n_train, self.n_val = len(train_idx), len(val_idx)
+        self.val_texts = [ds.texts[i] for i in val_idx]
+        params = {"n": len(ds), "val_size": d.val_size, "split_seed": d.split_seed,
+                  "subset": d.subset, "vocab_size": d.vocab_size, "max_len": d.max_len,
+                  "labels": hashlib.sha1(labels.tobytes()).hexdigest()}
+        cdir = _tokenized_cache_dir(cache_dir, ds.source, params)
+        arrays = data_cache.load_npz(cdir / "arrays.npz")
+        if arrays is not None and (cdir / "tokenizer.json").is_file():
+            self._tokenizer = TextTokenizer.load(cdir / "tokenizer.json")
+            log.info("imdb: tokenized arrays from cache %s", cdir)
+        else:
+            t0 = time.perf_counter()
+            train_texts = [ds.texts[i] for i in train_idx]
+            self._tokenizer = TextTokenizer.train(train_texts, vocab_size=d.vocab_size)
+            t1 = time.perf_counter()
+            tr_ids, tr_len = self._tokenizer.encode_to_arrays(train_texts, d.max_len)
+            va_ids, va_len = self._tokenizer.encode_to_arrays(self.val_texts, d.max_len)
+            arrays = {"train_ids": tr_ids, "train_len": tr_len, "val_ids": va_ids,
+                      "val_len": va_len}
+            log.info("imdb: tokenizer (vocab %d) trained in %.1fs, %d reviews encoded in %.1fs",
+                     self._tokenizer.vocab_size, t1 - t0, len(ds), time.perf_counter() - t1)
+            if dist.is_main:
+                cdir.mkdir(parents=True, exist_ok=True)
+                self._tokenizer.save(cdir / "tokenizer.json")
+                data_cache.save_npz(cdir / "arrays.npz", arrays)
+                data_cache.save_json(cdir / "params.json", params)
+        self.train_ids = torch.from_numpy(arrays["train_ids"]).to(self.device)  # (N, L) int32
+        self.train_len = torch.from_numpy(arrays["train_len"])  # (N,) on CPU: trims batches
+        self.train_y = torch.from_numpy(labels[train_idx]).to(self.device)
+        self.val_ids = torch.from_numpy(arrays["val_ids"]).to(self.device)
+        self.val_len = torch.from_numpy(arrays["val_len"])
+        self.val_y = torch.from_numpy(labels[val_idx]).to(self.device)
+        trunc = float((self.train_len >= d.max_len).float().mean())
+        log.info("imdb: %d train / %d val reviews, max_len %d (%.0f%% truncated), mean %.0f "
+                 "tokens", self.n_train, self.n_val, d.max_len, 100 * trunc,
+                 float(self.train_len.float().mean()))
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        return self._tokenizer
+
+    def model_fields(self) -> dict[str, Any]:
+        return {"vocab_size": self._tokenizer.vocab_size, "max_len": self.max_len,
+                "pad_id": self._tokenizer.pad_id}
+
+    def _plan_epoch_batches(self, epoch: int) -> Tensor:
+        batches = super()._plan_epoch_batches(epoch)  # (steps, G)
+        if not self.recipe.data.length_buckets or batches.shape[0] < 2:
+            return batches
+        # sort within windows of 50 batches by length, then shuffle the batch order
+        steps, g = batches.shape
+        flat = batches.flatten()
+        window = 50 * g
+        chunks = []
+        for s in range(0, flat.numel(), window):
+            c = flat[s : s + window]
+            chunks.append(c[torch.argsort(self.train_len[c], stable=True)])
+        batches = torch.cat(chunks).view(steps, g)
+        gen = torch.Generator().manual_seed(self.recipe.seed * 7919 + epoch)
+        return batches[torch.randperm(steps, generator=gen)]
+
+    def _make_batch(self, ids: Tensor, lengths: Tensor, y: Tensor) -> Batch:
+        T = int(lengths.max())
+        lengths_dev = lengths.to(self.device)
+        input_ids = ids[:, :T].long()  # (B, T)
+        mask = torch.arange(T, device=self.device)[None, :] < lengths_dev[:, None]  # (B, T)
+        return Batch((input_ids, mask), y, n_items=int(lengths.sum()))
+
+    def train_batch(self, epoch: int, index: int) -> Batch:
+        idx = self._rank_slice(self._global_batches(epoch)[index])
+        dev_idx = idx.to(self.device)
+        b = self._make_batch(self.train_ids[dev_idx], self.train_len[idx], self.train_y[dev_idx])
+        b.targets = smooth_one_hot(b.labels, self.num_classes,
+                                   self.recipe.optim.label_smoothing)
+        return b
+
+    def val_batches(self, batch_size: int, all_ranks: bool = False) -> Iterator[Batch]:
+        rows = np.arange(self.n_val) if all_ranks else self._val_shard()
+        rows = rows[np.argsort(self.val_len.numpy()[rows], kind="stable")]  # less padding
+        for start in range(0, len(rows), batch_size):
+            idx = torch.from_numpy(rows[start : start + batch_size])
+            dev_idx = idx.to(self.device)
+            yield self._make_batch(self.val_ids[dev_idx], self.val_len[idx], self.val_y[dev_idx])
+
+    def bundle_preprocess(self) -> dict[str, Any]:
+        return {"max_len": self.max_len}
+
+    @torch.no_grad()
+    def attention_report(self, model: nn.Module, out_dir: Path, n: int) -> Path | None:
+        from vit_service.attention_maps import attention_rollout
+
+        if n <= 0:
+            return None
+        rows = np.linspace(0, self.n_val - 1, min(n, self.n_val)).astype(int).tolist()
+        enc = self._tokenizer.encode_batch([self.val_texts[i] for i in rows], self.max_len)
+        ids, mask = enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
+        logits, attn = model.forward_with_attention(ids, mask)
+        probs = logits.float().softmax(-1).cpu()
+        maps = attention_rollout(attn.float(), attention_mask=mask).cpu()  # (n, T-1)
+        parts = ["<html><head><meta charset='utf-8'><title>attention rollout</title></head>",
+                 "<body style='font-family:sans-serif;max-width:60em'>",
+                 "<h2>[CLS] attention rollout on validation reviews</h2>"]
+        for j, i in enumerate(rows):
+            true = self.class_names[int(self.val_y[i])]
+            pred = int(probs[j].argmax())
+            parts.append(f"<h4>review {i}: true <b>{true}</b>, predicted "
+                         f"<b>{self.class_names[pred]}</b> ({float(probs[j, pred]):.2f})</h4><p>")
+            w = maps[j]
+            top = float(w.max()) or 1.0
+            for t, tok in enumerate(enc.pieces[j][1:]):
+                a = float(w[t]) / top
+                parts.append(f"<span style='background:rgba(255,80,0,{a:.3f})'>"
+                             f"{html.escape(tok)}</span> ")
+            parts.append("</p>")
+        parts.append("</body></html>")
+        path = out_dir / "attention_rollout.html"
+        path.write_text("\n".join(parts), encoding="utf-8")
+        return path
+
+
+def build_task(recipe: Recipe, dist: DistInfo, data_dir: str | Path | None,
+               cache_dir: str | Path | None = None) -> Task:
+    cls = ImageTask if recipe.data.dataset == "cifar10" else TextTask
+    return cls(recipe, dist, data_dir, cache_dir)

@@ -1,0 +1,599 @@
+"""The training loop shared by the image and text tasks.
+
+``train(recipe, ...)`` builds the task (data on the device), the model, AdamW with weight-decay
+groups, a per-step cosine schedule with linear warm-up, optional EMA; runs epochs of steps with
+soft-target cross-entropy (label smoothing, CutMix/Mixup), gradient clipping, bf16 autocast and
+``torch.compile`` on CUDA; evaluates every epoch; checkpoints atomically; logs to MLflow; and at
+the end writes the model bundle, registers it and moves the ``champion`` alias if it is better.
+
+Stopping: ``max_steps`` (status ``stopped``; the model is still evaluated and registered),
+SIGTERM (status ``interrupted``: checkpoint at the end of the current step, MLflow run marked
+KILLED, exit code 143) or SIGINT (same, exit code 130). ``resume`` continues from a checkpoint
+with the same step count, optimiser, schedule, RNG states and MLflow run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from training import checkpoint as ckpt_io
+from training.distributed import (
+    DistInfo,
+    all_reduce_sum,
+    any_true,
+    broadcast_object,
+    cleanup,
+    gather_objects,
+    init_distributed,
+)
+from training.evaluate import EvalResult, evaluate_batches
+from training.progress import Progress
+from training.recipes import Recipe, apply_overrides, validate_recipe
+from training.tasks import Batch, Task, build_task
+from vit_service.config import Settings, get_settings
+from vit_service.models import config_to_dict, count_parameters
+
+log = logging.getLogger(__name__)
+
+EXIT_SIGTERM, EXIT_SIGINT = 143, 130
+
+
+# ----------------------------------------------------------------------------- optimisation
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two AdamW groups: decayed (weight matrices) and not decayed (norms, biases, and the
+    names in ``model.no_weight_decay()`` such as ``cls_token``, ``pos_embed``)."""
+    skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim <= 1 or name.endswith(".bias") or name in skip:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_at(step: int, base_lr: float, total_steps: int, warmup_steps: int,
+          min_lr: float = 0.0) -> float:
+    """Learning rate of update ``step`` (0-based): linear warm-up to ``base_lr`` over
+    ``warmup_steps`` (``base_lr * (step + 1) / warmup``), then cosine down to ``min_lr`` at
+    ``total_steps``."""
+    if step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    progress = min(1.0, progress)
+    return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+class CosineWarmup:
+    """Per-step schedule setting every group's lr to :func:`lr_at` of the current step.
+
+    ``state_dict`` is plain ints/floats (checkpoint-safe)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, base_lr: float, total_steps: int,
+                 warmup_steps: int, min_lr: float = 0.0) -> None:
+        self.optimizer, self.base_lr, self.min_lr = optimizer, base_lr, min_lr
+        self.total_steps, self.warmup_steps = total_steps, warmup_steps
+        self.step_num = 0
+
+    def apply(self) -> float:
+        lr = lr_at(self.step_num, self.base_lr, self.total_steps, self.warmup_steps, self.min_lr)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def step(self) -> None:
+        self.step_num += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step_num, "base_lr": self.base_lr, "min_lr": self.min_lr,
+                "total_steps": self.total_steps, "warmup_steps": self.warmup_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_num = int(state["step"])
+
+
+class ModelEma:
+    """Exponential moving average of a model's weights (float params and buffers).
+
+    The decay warms up as ``min(decay, (1 + n) / (10 + n))`` after ``n`` updates, so the average
+    is useful early in short runs too."""
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        self.module = copy.deepcopy(model).eval()
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+        self.decay = decay
+        self.updates = 0
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        self.updates += 1
+        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        ema_f, cur_f = [], []
+        for e, m in zip(self.module.state_dict().values(), model.state_dict().values(),
+                        strict=True):
+            if e.is_floating_point():
+                ema_f.append(e)
+                cur_f.append(m.detach())
+            else:
+                e.copy_(m)
+        torch._foreach_lerp_(ema_f, cur_f, 1.0 - d)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"module": self.module.state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["module"])
+        self.updates = int(state["updates"])
+
+
+def soft_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean over the batch of ``-sum_k targets_k * log_softmax(logits)_k``."""
+    return torch.sum(-targets * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
+
+
+def train_step(
+    train_model: nn.Module,
+    model: nn.Module,
+    task: Task,
+    batch: Batch,
+    optimizer: torch.optim.Optimizer,
+    grad_clip: float | None = None,
+    amp_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One optimisation step: forward (``train_model``: maybe DDP/compiled ``model``) under
+    autocast, soft-target cross-entropy, backward, clip, AdamW. Returns the detached loss,
+    the logits and the pre-clip gradient norm (None without clipping)."""
+    device_type = batch.labels.device.type
+    with torch.autocast(device_type, dtype=amp_dtype or torch.bfloat16,
+                        enabled=amp_dtype is not None):
+        logits = task.forward(train_model, batch)
+    assert batch.targets is not None
+    loss = soft_cross_entropy(logits, batch.targets)
+    loss.backward()
+    gnorm = None
+    if grad_clip:
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach(), logits.detach(), gnorm
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # all devices
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclass
+class TrainResult:
+    status: str  # finished | stopped (max_steps) | interrupted (signal)
+    step: int
+    epoch: int
+    run_name: str
+    run_dir: Path
+    val_acc: float | None = None
+    val_loss: float | None = None
+    mlflow_run_id: str | None = None
+    registered_version: str | None = None
+    checkpoint: Path | None = None
+    exit_code: int = 0
+
+
+class _StopFlag:
+    """SIGTERM/SIGINT -> finish the current step, checkpoint, exit."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals can only be handled in the main thread (e.g. the jobs API)
+        for s in (signal.SIGTERM, signal.SIGINT):
+            self._old[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # second Ctrl-C: give up immediately
+        self.signum = signum
+        log.warning("received %s: stopping after this step", signal.Signals(signum).name)
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old.clear()
+
+
+def _default_run_name(recipe: Recipe) -> str:
+    return f"{recipe.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def train(
+    recipe: Recipe,
+    *,
+    data_dir: str | Path | None = None,
+    run_name: str | None = None,
+    resume: str | Path | None = None,
+    resume_overrides: dict[str, Any] | None = None,
+    tracking_uri: str | None = None,
+    register: bool = True,
+    mlflow_enabled: bool = True,
+    settings: Settings | None = None,
+    progress: Progress | None = None,
+) -> TrainResult:
+    """Train ``recipe`` end to end (see the module docstring). With ``resume`` (a checkpoint
+    path, a run folder or ``auto``) the checkpoint's recipe is used, with ``resume_overrides``
+    (e.g. ``max_steps``, ``device``) applied."""
+    settings = settings or get_settings()
+    runs_dir = Path(settings.home) / "runs"
+    ckpt: dict[str, Any] | None = None
+    if resume is not None:
+        path = ckpt_io.find_checkpoint(runs_dir, str(resume), run_name, recipe.name)
+        ckpt = ckpt_io.load_checkpoint(path)
+        recipe = validate_recipe(apply_overrides(ckpt["recipe"], resume_overrides or {}))
+        run_name = ckpt["run_name"]
+        log.info("resuming %s from %s (step %d)", run_name, path, ckpt["step"])
+
+    dist = init_distributed(recipe.device)
+    try:
+        return _Run(recipe, dist, settings, data_dir, run_name, ckpt, tracking_uri, register,
+                    mlflow_enabled, progress).run()
+    finally:
+        cleanup()
+
+
+class _Run:
+    def __init__(self, recipe: Recipe, dist: DistInfo, settings: Settings,
+                 data_dir: str | Path | None, run_name: str | None,
+                 ckpt: dict[str, Any] | None, tracking_uri: str | None, register: bool,
+                 mlflow_enabled: bool, progress: Progress | None) -> None:
+        self.recipe, self.dist, self.settings, self.ckpt = recipe, dist, settings, ckpt
+        self.register, self.device = register, dist.device
+        if recipe.threads:
+            torch.set_num_threads(recipe.threads)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+            torch.set_float32_matmul_precision("high")
+        self.amp_dtype = torch.bfloat16 if (cuda and recipe.amp) else None
+
+        seed_everything(recipe.seed + dist.rank)
+        t0 = time.perf_counter()
+        self.task: Task = build_task(recipe, dist, data_dir, settings.cache_dir)
+        log.info("data ready in %.1fs", time.perf_counter() - t0)
+        torch.manual_seed(recipe.seed)  # identical init on every rank (DDP also broadcasts)
+        self.model = self.task.build_model().to(self.device)
+        self.model_config = config_to_dict(self.model.config)
+        o = recipe.optim
+        self.ema = ModelEma(self.model, o.ema_decay) if o.ema_decay else None
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr,
+                                           betas=o.betas, eps=o.eps, fused=cuda or None)
+        self.steps_per_epoch = self.task.steps_per_epoch()
+        self.total_steps = recipe.epochs * self.steps_per_epoch
+        warmup = o.warmup_steps if o.warmup_steps is not None else round(
+            (o.warmup_epochs or 0.0) * self.steps_per_epoch)
+        self.scheduler = CosineWarmup(self.optimizer, o.lr, self.total_steps,
+                                      min(warmup, self.total_steps), o.min_lr)
+        self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
+        self.last_eval: EvalResult | None = None
+        self.last_eval_step = -1
+        self._saved_step = -1
+
+        if run_name is None:
+            run_name = broadcast_object(_default_run_name(recipe), dist)
+        self.run_name = run_name
+        self.run_dir = Path(settings.home) / "runs" / run_name
+        self.ckpt_path = self.run_dir / "checkpoints" / ckpt_io.LAST
+        self.progress = progress or Progress(enabled=dist.is_main, unit=self.task.unit)
+        self.progress.enabled = self.progress.enabled and dist.is_main
+        self.mlrun = None
+        if mlflow_enabled and dist.is_main:
+            from training.reporting import MlflowRun
+
+            self.mlrun = MlflowRun(tracking_uri, settings)
+        self.stop = _StopFlag()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _start_tracking(self) -> str | None:
+        r = self.recipe
+        run_id = self.ckpt.get("mlflow_run_id") if self.ckpt else None
+        if self.mlrun is not None:
+            tags = {"vit_service.recipe": r.name, "vit_service.task": r.task,
+                    "vit_service.run_dir": str(self.run_dir.resolve()),
+                    "lineage.parent_run_id": "", "lineage.init": "scratch"}
+            new = run_id is None
+            run_id = self.mlrun.start(r, self.run_name, run_id, tags)
+            if new:
+                self.mlrun.log_recipe(r, self.model_config, {
+                    "data.n_train": self.task.n_train, "data.n_val": self.task.n_val,
+                    "train.steps_per_epoch": self.steps_per_epoch,
+                    "train.total_steps": self.total_steps,
+                    "train.world_size": self.dist.world_size,
+                    "model.n_params": count_parameters(self.model),
+                    "train.device": str(self.device)})
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / ckpt_io.RUN_INFO).write_text(json.dumps(
+                {"recipe": r.name, "run_name": self.run_name, "mlflow_run_id": run_id}))
+            (self.run_dir / "recipe.yaml").write_text(r.to_yaml())
+        return run_id
+
+    def _load_state(self, ck: dict[str, Any]) -> None:
+        self.model.load_state_dict(ck["model"])
+        if self.ema is not None and ck.get("ema") is not None:
+            self.ema.load_state_dict(ck["ema"])
+        self.optimizer.load_state_dict(ck["optimizer"])
+        self.scheduler.load_state_dict(ck["scheduler"])
+        self.step, self.epoch = int(ck["step"]), int(ck["epoch"])
+        self.batch_in_epoch = int(ck["batch_in_epoch"])
+        rngs = ck.get("rng") or []
+        if len(rngs) == self.dist.world_size:
+            ckpt_io.set_rng_state(rngs[self.dist.rank])
+        else:
+            log.warning("checkpoint has RNG states for %d ranks, running %d: reseeding",
+                        len(rngs), self.dist.world_size)
+            seed_everything(self.recipe.seed + self.dist.rank + self.step)
+        m = ck.get("metrics") or {}
+        if m.get("val_acc") is not None:
+            self.last_eval_step = int(m.get("eval_step", -1))
+
+    def _state(self, status: str, run_id: str | None) -> dict[str, Any]:
+        rngs = gather_objects(ckpt_io.rng_state(), self.dist)
+        return {
+            "model": self.model.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+            "rng": rngs,
+            "recipe": self.recipe.to_dict(),
+            "model_config": self.model_config,
+            "mlflow_run_id": run_id, "run_name": self.run_name, "status": status,
+            "world_size": self.dist.world_size,
+            "metrics": {
+                "val_acc": self.last_eval.acc if self.last_eval else None,
+                "val_loss": self.last_eval.loss if self.last_eval else None,
+                "eval_step": self.last_eval_step,
+            },
+        }
+
+    def _save(self, status: str, run_id: str | None) -> Path:
+        state = self._state(status, run_id)  # collective in DDP: every rank takes part
+        if self.dist.is_main:
+            ckpt_io.save_checkpoint(self.ckpt_path, state)
+        self._saved_step = self.step
+        return self.ckpt_path
+
+    # ------------------------------------------------------------------ loop
+
+    def _eval_model(self) -> nn.Module:
+        return self.ema.module if self.ema is not None else self.model
+
+    def evaluate(self) -> EvalResult:
+        batches = self.task.val_batches(self.recipe.eval_batch_size)
+        reduce = (lambda t: all_reduce_sum(t, self.dist)) if self.dist.enabled else None
+        res = evaluate_batches(self._eval_model(), batches, self.task.forward,
+                               self.task.class_names, self.device, self.amp_dtype, reduce)
+        self.last_eval, self.last_eval_step = res, self.step
+        return res
+
+    def run(self) -> TrainResult:
+        r = self.recipe
+        run_id = self._start_tracking()
+        if self.ckpt is not None:
+            self._load_state(self.ckpt)
+            if self.step >= self.total_steps:
+                log.info("run %s already finished; nothing to do", self.run_name)
+                if self.mlrun is not None:
+                    self.mlrun.end()
+                return TrainResult("finished", self.step, self.epoch, self.run_name,
+                                   self.run_dir, mlflow_run_id=run_id,
+                                   checkpoint=self.ckpt_path)
+        n_params = count_parameters(self.model)
+        log.info("model %s: %.2fM params; %d steps/epoch x %d epochs = %d steps; batch %d on "
+                 "%s x%d%s", r.model.name, n_params / 1e6, self.steps_per_epoch, r.epochs,
+                 self.total_steps, r.batch_size, self.device, self.dist.world_size,
+                 " (bf16)" if self.amp_dtype else "")
+
+        train_model: nn.Module = self.model
+        if self.dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            train_model = DDP(self.model, device_ids=ids)
+        if r.compile:
+            train_model = torch.compile(train_model)  # type: ignore[assignment]
+
+        self.progress.start(self.total_steps, step=self.step, mlflow_run_id=run_id,
+                            run_name=self.run_name, run_dir=str(self.run_dir),
+                            epochs=r.epochs, steps_per_epoch=self.steps_per_epoch)
+        self.stop.install()
+        status = "finished"
+        try:
+            status = self._loop(train_model, run_id)
+        finally:
+            self.stop.restore()
+        return self._finish(status, run_id)
+
+    def _loop(self, train_model: nn.Module, run_id: str | None) -> str:
+        r = self.recipe
+        max_steps = r.max_steps if r.max_steps is not None else self.total_steps
+        win = _Window()
+        self.model.train()
+        while self.epoch < r.epochs:
+            t_epoch = time.perf_counter()
+            while self.batch_in_epoch < self.steps_per_epoch:
+                if self.step >= max_steps:
+                    return "stopped"
+                if any_true(self.stop.signum is not None, self.dist):
+                    return "interrupted"
+                t0 = time.perf_counter()
+                batch = self.task.train_batch(self.epoch, self.batch_in_epoch)
+                t_data = time.perf_counter() - t0
+                lr = self.scheduler.apply()
+                loss, logits, gnorm = train_step(train_model, self.model, self.task, batch,
+                                                 self.optimizer, r.optim.grad_clip,
+                                                 self.amp_dtype)
+                self.scheduler.step()
+                if self.ema is not None:
+                    self.ema.update(self.model)
+                self.step += 1
+                self.batch_in_epoch += 1
+                win.add(loss.detach(), (logits.argmax(-1) == batch.targets.argmax(-1)).sum(),
+                        batch, gnorm, t_data, time.perf_counter() - t0)
+                if self.step % r.log_every == 0 or self.step == max_steps:
+                    self._log_window(win, lr)
+            # epoch boundary
+            self.epoch += 1
+            self.batch_in_epoch = 0
+            res = self.evaluate()
+            metrics = {"val/loss": res.loss, "val/acc": res.acc, "val_acc": res.acc,
+                       "epoch": self.epoch, "time/epoch_s": time.perf_counter() - t_epoch}
+            if self.mlrun is not None:
+                self.mlrun.log_metrics(metrics, self.step)
+            self.progress.epoch(self.step, self.epoch - 1, val_loss=res.loss, val_acc=res.acc,
+                                epoch_time_s=metrics["time/epoch_s"])
+            log.info("epoch %d/%d step %d: val_loss %.4f val_acc %.4f (%.0fs)", self.epoch,
+                     r.epochs, self.step, res.loss, res.acc, metrics["time/epoch_s"])
+            self._save("finished" if self.epoch >= r.epochs else "running", run_id)
+            win.reset()  # keep evaluation and checkpointing out of the throughput window
+        return "finished"
+
+    def _log_window(self, win: _Window, lr: float) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        m = win.flush(self.dist.world_size)
+        if m is None:
+            return
+        m["lr"] = lr
+        if self.mlrun is not None:
+            self.mlrun.log_metrics({f"train/{k}": v for k, v in m.items()}, self.step)
+        self.progress.step(self.step, self.epoch, **m)
+
+    # ------------------------------------------------------------------ end of run
+
+    def _finish(self, status: str, run_id: str | None) -> TrainResult:
+        exit_code = 0
+        if status == "interrupted":
+            exit_code = EXIT_SIGINT if self.stop.signum == signal.SIGINT else EXIT_SIGTERM
+        if self._saved_step != self.step or status != "finished":
+            self._save("finished" if status == "finished" else status, run_id)
+        version = None
+        if status != "interrupted" and self.last_eval_step != self.step:
+            res = self.evaluate()  # stopped mid-epoch: evaluate where we are
+            if self.mlrun is not None:
+                self.mlrun.log_metrics({"val/loss": res.loss, "val/acc": res.acc,
+                                        "val_acc": res.acc}, self.step)
+        if self.dist.is_main and status != "interrupted" and self.last_eval is not None:
+            version = self._publish(run_id)
+        res = self.last_eval
+        self.progress.end(status=status, step=self.step, epoch=self.epoch,
+                          val_acc=res.acc if res else None, val_loss=res.loss if res else None,
+                          registered_version=version, checkpoint=str(self.ckpt_path),
+                          run_dir=str(self.run_dir), exit_code=exit_code)
+        if self.mlrun is not None:
+            self.mlrun.end("KILLED" if status == "interrupted" else "FINISHED")
+        log.info("run %s %s at step %d%s", self.run_name, status, self.step,
+                 f" (val_acc {res.acc:.4f})" if res else "")
+        return TrainResult(status, self.step, self.epoch, self.run_name, self.run_dir,
+                           res.acc if res else None, res.loss if res else None, run_id, version,
+                           self.ckpt_path, exit_code)
+
+    def _publish(self, run_id: str | None) -> str | None:
+        """Artifacts, bundle, registration (rank 0)."""
+        from vit_service.bundle import BundleMeta, save_bundle
+
+        r, res = self.recipe, self.last_eval
+        assert res is not None
+        model = self._eval_model()
+        art_dir = self.run_dir / "artifacts"
+        art_dir.mkdir(parents=True, exist_ok=True)
+        (art_dir / "per_class.txt").write_text(res.format_table() + "\n")
+        attn_path = None
+        try:
+            attn_path = self.task.attention_report(model, art_dir, r.attention_samples)
+        except Exception:  # an artifact must not fail the run
+            log.exception("attention report failed")
+        meta = BundleMeta(
+            task=self.task.kind,  # type: ignore[arg-type]
+            model_config=self.model_config, class_names=self.task.class_names,
+            preprocess=self.task.bundle_preprocess(),
+            extra={"recipe": r.to_dict(), "val_acc": res.acc, "val_loss": res.loss,
+                   "run_id": run_id, "run_name": self.run_name, "step": self.step,
+                   "ema": self.ema is not None,
+                   "lineage": {"init": "scratch", "parent_run_id": None}},
+        )
+        bundle_dir = save_bundle(self.run_dir / "bundle", model, meta, self.task.tokenizer)
+        if self.mlrun is None:
+            return None
+        self.mlrun.log_eval_report(res, art_dir, self.step)
+        if attn_path is not None:
+            self.mlrun.log_artifact(attn_path, "attention")
+        return self.mlrun.register(bundle_dir, self.task.kind,
+                                   r.register_as if self.register else None)
+
+
+class _Window:
+    """Running sums between two train-metric logs (tensors: no device sync per step)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss: Tensor | float = 0.0
+        self.correct: Tensor | float = 0.0
+        self.gnorm: Tensor | float = 0.0
+        self.n_gnorm = self.steps = self.examples = self.items = 0
+        self.data_t = 0.0
+        self.t0 = time.perf_counter()
+
+    def add(self, loss: Tensor, correct: Tensor, batch: Any, gnorm: Tensor | None,
+            t_data: float, t_step: float) -> None:
+        self.loss = self.loss + loss
+        self.correct = self.correct + correct
+        if gnorm is not None:
+            self.gnorm = self.gnorm + gnorm
+            self.n_gnorm += 1
+        self.steps += 1
+        self.examples += int(batch.labels.shape[0])
+        self.items += batch.n_items
+        self.data_t += t_data
+
+    def flush(self, world_size: int) -> dict[str, float] | None:
+        if not self.steps:
+            return None
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        m = {"loss": float(self.loss) / self.steps, "acc": float(self.correct) / self.examples,
+             "throughput": self.items * world_size / elapsed,
+             "data_time_frac": self.data_t / elapsed}
+        if self.n_gnorm:
+            m["grad_norm"] = float(self.gnorm) / self.n_gnorm
+        self.reset()
+        return m
