@@ -1,0 +1,91 @@
+"""The FastAPI application: ``create_app(settings)`` (also the uvicorn factory).
+
+Start-up (lifespan): point MLflow at the settings' tracking URI, try to load every configured
+model (a missing one is logged, /readyz answers 503 and predictions for it 503 until it
+appears), then start the background poll that picks up moved aliases. Shut-down stops the
+poll and the batchers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+
+import torch
+from fastapi import FastAPI
+
+from serving.errors import install_error_handlers
+from serving.inference import InferenceService
+from serving.metrics import MetricsMiddleware, ServingMetrics
+from serving.middleware import BodySizeLimitMiddleware
+from serving.model_store import ModelStore
+from serving.routers import health, models, predict
+from vit_service import __version__, tracking
+from vit_service.config import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+API_PREFIX = "/v1"
+
+DESCRIPTION = """\
+Classify images (Vision Transformer) and texts (Transformer encoder) with models from the
+MLflow registry, and see what they attended to: attention rollout, per-layer and per-head
+[CLS] maps from the same forward pass as the prediction. See docs/serving.md.
+"""
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    metrics = ServingMetrics()
+    store = ModelStore(settings, metrics)
+    service = InferenceService(store, settings, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        uri = tracking.configure(settings=settings)
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
+        if settings.api_key is None:
+            log.warning("no API key configured (VIT_SERVICE_API_KEY): "
+                        "POST /v1/models/{name}/reload is refused with 403")
+        log.info("tracking URI %s; models: %s", uri, settings.models)
+        await store.load_all()
+        missing = [n for n in store.names if store.get(n) is None]
+        if missing:
+            log.warning("not loaded yet (503 until available): %s", ", ".join(missing))
+        poller = None
+        if settings.reload_interval_s > 0:
+            poller = asyncio.create_task(store.poll_forever(settings.reload_interval_s),
+                                         name="model-poll")
+        try:
+            yield
+        finally:
+            if poller is not None:
+                poller.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await poller
+            await service.close()
+
+    app = FastAPI(
+        title="vit-service",
+        version=__version__,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.store = store
+    app.state.service = service
+
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(predict.router, prefix=API_PREFIX)
+    app.include_router(models.router, prefix=API_PREFIX)
+    # Middleware: the last added is the outermost, so metrics also see 413s from the limiter.
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app

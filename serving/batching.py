@@ -1,0 +1,148 @@
+"""Dynamic micro-batching: concurrent requests for one model share a forward pass.
+
+Each request submits one *job* (its images or texts, never split, so a response comes from a
+single model version). A consumer task takes the first waiting job, then keeps adding jobs
+while the batch has fewer than ``max_batch_size`` inputs and the first job has waited less than
+``max_wait_ms``; the batch runs in the inference thread and each job gets its own slice back.
+While a batch runs, new jobs queue up, so under load batches grow by themselves even with
+``max_wait_ms = 0``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+log = logging.getLogger(__name__)
+
+J = TypeVar("J")  # a job: one request's inputs
+R = TypeVar("R")  # its result
+
+
+@dataclass
+class _Pending(Generic[J, R]):
+    job: J
+    size: int
+    future: asyncio.Future[R]
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+class MicroBatcher(Generic[J, R]):
+    """Queue + consumer task for one model.
+
+    ``process(jobs)`` runs in ``executor`` and returns one result (or exception) per job, in
+    order. ``on_batch(n_inputs, seconds)`` is called after each batch (metrics).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        process: Callable[[list[J]], Sequence[R | BaseException]],
+        executor: Executor,
+        max_batch_size: int,
+        max_wait_ms: float,
+        on_batch: Callable[[int, float], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.process = process
+        self.executor = executor
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_ms / 1000
+        self.on_batch = on_batch
+        self._queue: asyncio.Queue[_Pending[J, R]] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._carry: _Pending[J, R] | None = None
+        self.batches = 0  # batches run so far (tests, debugging)
+
+    def _ensure_started(self) -> asyncio.Queue[_Pending[J, R]]:
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(
+                self._consume(self._queue), name=f"batcher-{self.name}"
+            )
+        assert self._queue is not None
+        return self._queue
+
+    async def submit(self, job: J, size: int) -> R:
+        """Queue ``job`` (``size`` inputs) and wait for its result."""
+        queue = self._ensure_started()
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        await queue.put(_Pending(job, size, future))
+        return await future
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._queue is not None:  # fail whatever is still waiting
+            pending = [self._carry] if self._carry is not None else []
+            while not self._queue.empty():
+                pending.append(self._queue.get_nowait())
+            for p in pending:
+                if not p.future.done():
+                    p.future.cancel()
+        self._queue, self._carry = None, None
+
+    async def _collect(self, queue: asyncio.Queue[_Pending[J, R]]) -> list[_Pending[J, R]]:
+        first = self._carry if self._carry is not None else await queue.get()
+        self._carry = None
+        batch, n = [first], first.size
+        deadline = first.enqueued + self.max_wait_s
+        while n < self.max_batch_size:
+            try:
+                nxt = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    nxt = await asyncio.wait_for(queue.get(), remaining)
+                except TimeoutError:
+                    break
+            if n + nxt.size > self.max_batch_size:
+                self._carry = nxt  # starts the next batch
+                break
+            batch.append(nxt)
+            n += nxt.size
+        return batch
+
+    async def _consume(self, queue: asyncio.Queue[_Pending[J, R]]) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [p for p in await self._collect(queue) if not p.future.done()]
+            if not batch:
+                continue  # every waiter went away
+            n = sum(p.size for p in batch)
+            start = time.perf_counter()
+            try:
+                results = await loop.run_in_executor(
+                    self.executor, self.process, [p.job for p in batch]
+                )
+            except asyncio.CancelledError:
+                for p in batch:
+                    if not p.future.done():
+                        p.future.cancel()
+                raise
+            except Exception as e:  # the whole batch failed
+                log.exception("batch of %d for %s failed", n, self.name)
+                results = [e] * len(batch)
+            self.batches += 1
+            if self.on_batch is not None:
+                self.on_batch(n, time.perf_counter() - start)
+            for p, r in zip(batch, results, strict=True):
+                if p.future.done():
+                    continue
+                if isinstance(r, BaseException):
+                    p.future.set_exception(r)
+                else:
+                    p.future.set_result(r)

@@ -1,0 +1,98 @@
+"""FastAPI dependencies and their ``Annotated`` aliases (``SettingsDep``, ``StoreDep``...)."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from serving.errors import (
+    AuthError,
+    ForbiddenError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    ModelNotLoadedError,
+    UnsupportedMediaTypeError,
+)
+from serving.inference import InferenceService
+from serving.metrics import ServingMetrics
+from serving.model_store import LoadedModel, ModelStore
+from vit_service.config import Settings
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_store(request: Request) -> ModelStore:
+    return request.app.state.store
+
+
+def get_service(request: Request) -> InferenceService:
+    return request.app.state.service
+
+
+def get_metrics(request: Request) -> ServingMetrics:
+    return request.app.state.metrics
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+StoreDep = Annotated[ModelStore, Depends(get_store)]
+ServiceDep = Annotated[InferenceService, Depends(get_service)]
+MetricsDep = Annotated[ServingMetrics, Depends(get_metrics)]
+
+
+def loaded_model(store: ModelStore, name: str, task: str) -> LoadedModel:
+    """The served version of ``name``: 404 if not configured, 503 if not loaded, 422 if it is
+    a model for the other task."""
+    if not store.is_configured(name):
+        raise ModelNotFoundError(name, store.names)
+    model = store.get(name)
+    if model is None:
+        raise ModelNotLoadedError(name, store.error(name))
+    if model.task != task:
+        raise InvalidRequestError(f"model {name!r} is a {model.task} model, not a {task} model")
+    return model
+
+
+def configured_model_name(name: str, store: StoreDep) -> str:
+    """Path parameter ``name`` of a configured model (else 404)."""
+    if not store.is_configured(name):
+        raise ModelNotFoundError(name, store.names)
+    return name
+
+
+ModelNameDep = Annotated[str, Depends(configured_model_name)]
+
+_bearer = HTTPBearer(auto_error=False, description="Settings.api_key (VIT_SERVICE_API_KEY)")
+
+
+def require_api_key(
+    settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> None:
+    """Bearer auth for mutating routes; refused outright (403) when no key is configured."""
+    if settings.api_key is None:
+        raise ForbiddenError(
+            "this route is disabled: no API key is configured (set VIT_SERVICE_API_KEY)"
+        )
+    expected = settings.api_key.get_secret_value().encode()
+    if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), expected):
+        raise AuthError()
+
+
+ApiKeyDep = Depends(require_api_key)
+
+
+def require_json(request: Request) -> None:
+    """415 unless the body is declared as JSON."""
+    ctype = request.headers.get("content-type", "")
+    main = ctype.split(";", 1)[0].strip().lower()
+    if not (main == "application/json" or (main.startswith("application/")
+                                           and main.endswith("+json"))):
+        raise UnsupportedMediaTypeError(ctype, ["application/json"])
+
+
+JsonBodyDep = Depends(require_json)

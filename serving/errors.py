@@ -1,0 +1,97 @@
+"""API errors: each is an ``HTTPException`` with a fixed status, rendered as ``{"detail": ...}``.
+
+Core exceptions that reach a route are mapped too (undecodable image -> 400, too many pixels ->
+413), and anything unexpected becomes a logged 500 with a generic JSON body.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+
+from serving.schemas import ErrorResponse
+from vit_service.preprocess import ImageDecodeError, ImageTooLargeError
+
+log = logging.getLogger(__name__)
+
+
+class BadInputError(HTTPException):
+    def __init__(self, detail: str) -> None:
+        super().__init__(status_code=400, detail=detail)
+
+
+class AuthError(HTTPException):
+    def __init__(self, detail: str = "missing or invalid bearer token") -> None:
+        super().__init__(status_code=401, detail=detail, headers={"WWW-Authenticate": "Bearer"})
+
+
+class ForbiddenError(HTTPException):
+    def __init__(self, detail: str) -> None:
+        super().__init__(status_code=403, detail=detail)
+
+
+class ModelNotFoundError(HTTPException):
+    def __init__(self, name: str, available: Iterable[str]) -> None:
+        names = ", ".join(sorted(available)) or "none"
+        super().__init__(status_code=404, detail=f"unknown model {name!r}; served: {names}")
+
+
+class PayloadTooLargeError(HTTPException):
+    def __init__(self, detail: str) -> None:
+        super().__init__(status_code=413, detail=detail)
+
+
+class UnsupportedMediaTypeError(HTTPException):
+    def __init__(self, got: str | None, accepted: Iterable[str]) -> None:
+        super().__init__(
+            status_code=415,
+            detail=f"unsupported content type {got or '(none)'}; send {', '.join(accepted)}",
+        )
+
+
+class InvalidRequestError(HTTPException):
+    def __init__(self, detail: str) -> None:
+        super().__init__(status_code=422, detail=detail)
+
+
+class ModelNotLoadedError(HTTPException):
+    def __init__(self, name: str, reason: str | None = None) -> None:
+        detail = f"no model loaded for {name!r}"
+        if reason:
+            detail += f": {reason}"
+        super().__init__(status_code=503, detail=detail, headers={"Retry-After": "10"})
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map core exceptions to JSON errors; never leak a traceback."""
+
+    @app.exception_handler(ImageDecodeError)
+    async def _bad_image(request: Request, exc: ImageDecodeError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    @app.exception_handler(ImageTooLargeError)
+    async def _too_many_pixels(request: Request, exc: ImageTooLargeError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=413)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse({"detail": "internal server error"}, status_code=500)
+
+
+# Shared ``responses=`` entries for the OpenAPI schema.
+def error_responses(*codes: int) -> dict[int | str, dict]:
+    text = {
+        400: "undecodable or truncated image",
+        401: "missing or wrong bearer token",
+        403: "route disabled (no API key configured)",
+        404: "unknown model",
+        413: "body or image too large",
+        415: "unsupported content type",
+        422: "invalid JSON, empty text or bad parameter",
+        503: "model not loaded (yet)",
+    }
+    return {c: {"model": ErrorResponse, "description": text.get(c, "error")} for c in codes}

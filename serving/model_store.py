@@ -1,0 +1,282 @@
+"""The models being served: loaded from MLflow (by alias, version or run) or a local bundle, and
+swapped for a new version without a restart.
+
+Sources (``Settings.models``, served name -> source):
+
+* ``models:/<name>@<alias>`` — follows the alias (e.g. ``champion``); re-resolved by the poll
+  and by ``POST /v1/models/{name}/reload``, so moving the alias swaps the version;
+* ``models:/<name>/<version>`` — a pinned version;
+* ``runs:/<run_id>/<path>`` — the model logged by a run (immutable);
+* anything else — a local folder: a bundle (``meta.json``...) or a downloaded pyfunc model;
+  reloaded when its weights file changes.
+
+A swap loads the new version completely (in a worker thread, while the old one keeps serving)
+and then replaces one dict entry, which is atomic; requests already batched keep their
+reference to the old version. Load failures are logged and recorded, never fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from mlflow import MlflowClient
+
+from serving.metrics import ServingMetrics
+from vit_service import tracking
+from vit_service.bundle import META, WEIGHTS, ModelBundle, load_bundle
+from vit_service.config import Settings
+from vit_service.models import set_fused_attn
+
+log = logging.getLogger(__name__)
+
+IMAGE_CONTENT_TYPES = ("image/png", "image/jpeg", "image/webp", "image/bmp", "image/gif",
+                       "image/tiff")
+
+
+class ModelLoadError(RuntimeError):
+    """The source could not be resolved or loaded."""
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Where a source points right now; ``fingerprint`` changes iff a reload is needed."""
+
+    fingerprint: str
+    version: str | None = None
+    alias: str | None = None
+    run_id: str | None = None
+    artifact_uri: str | None = None  # MLflow artifact URI, or None for a local folder
+    local_path: Path | None = None
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """One loaded version; immutable, so a request can hold on to it across a swap."""
+
+    name: str
+    source: str
+    bundle: ModelBundle
+    resolved: Resolved
+    run_url: str | None
+    loaded_at: datetime
+    load_seconds: float
+
+    @property
+    def version(self) -> str | None:
+        return self.resolved.version
+
+    @property
+    def alias(self) -> str | None:
+        return self.resolved.alias
+
+    @property
+    def run_id(self) -> str | None:
+        return self.resolved.run_id
+
+    @property
+    def task(self) -> str:
+        return self.bundle.meta.task
+
+    @property
+    def class_names(self) -> list[str]:
+        return self.bundle.meta.class_names
+
+    @property
+    def grid(self) -> tuple[int, int] | None:
+        cfg = getattr(self.bundle.model, "config", None)
+        grid = getattr(cfg, "grid_size", None)
+        return (int(grid[0]), int(grid[1])) if grid is not None else None
+
+    def info(self) -> dict[str, Any]:
+        """Fields of :class:`serving.schemas.ModelInfo`."""
+        return {
+            "name": self.name, "task": self.task, "version": self.version, "alias": self.alias,
+            "run_id": self.run_id, "source": self.source, "run_url": self.run_url,
+            "loaded_at": self.loaded_at,
+        }
+
+    def input_spec(self) -> dict[str, Any]:
+        p = self.bundle.meta.preprocess
+        if self.task == "image":
+            return {"type": "image", "image_size": int(p["image_size"]), "mean": list(p["mean"]),
+                    "std": list(p["std"]), "patch_grid": self.grid,
+                    "content_types": ["multipart/form-data", *IMAGE_CONTENT_TYPES]}
+        tok = self.bundle.tokenizer
+        return {"type": "text", "max_len": int(p["max_len"]),
+                "vocab_size": tok.vocab_size if tok is not None else None}
+
+
+@dataclass
+class RefreshResult:
+    name: str
+    reloaded: bool
+    previous_version: str | None
+    current: LoadedModel | None
+
+
+@dataclass
+class _Slot:
+    source: str
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    error: str | None = None
+
+
+class ModelStore:
+    """Configured models, the version currently served for each, and how to refresh them."""
+
+    def __init__(self, settings: Settings, metrics: ServingMetrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.tracking_uri = settings.resolved_tracking_uri
+        self._client: MlflowClient | None = None
+        self._slots = {name: _Slot(src) for name, src in settings.models.items()}
+        self._loaded: dict[str, LoadedModel] = {}
+
+    # --- lookup ---------------------------------------------------------------------------------
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._slots)
+
+    def is_configured(self, name: str) -> bool:
+        return name in self._slots
+
+    def get(self, name: str) -> LoadedModel | None:
+        return self._loaded.get(name)
+
+    def source(self, name: str) -> str:
+        return self._slots[name].source
+
+    def error(self, name: str) -> str | None:
+        return self._slots[name].error
+
+    def loaded(self) -> dict[str, LoadedModel]:
+        return dict(self._loaded)
+
+    @property
+    def client(self) -> MlflowClient:
+        if self._client is None:
+            self._client = MlflowClient(tracking_uri=self.tracking_uri,
+                                        registry_uri=self.tracking_uri)
+        return self._client
+
+    # --- refresh --------------------------------------------------------------------------------
+
+    async def load_all(self) -> None:
+        """Try every configured model once (start-up); failures are logged, not raised."""
+        for name in self._slots:
+            try:
+                await self.refresh(name)
+            except ModelLoadError:
+                pass  # already logged; /readyz reports it
+
+    async def refresh(self, name: str, force: bool = False) -> RefreshResult:
+        """Re-resolve ``name``'s source; load and swap in the new version if it changed."""
+        slot = self._slots[name]
+        async with slot.lock:  # one refresh per model at a time
+            current = self._loaded.get(name)
+            previous = current.version if current else None
+            try:
+                resolved = await asyncio.to_thread(self._resolve, slot.source)
+                if not force and current is not None and (
+                    current.resolved.fingerprint == resolved.fingerprint
+                ):
+                    return RefreshResult(name, False, previous, current)
+                new = await asyncio.to_thread(self._load, name, slot.source, resolved)
+            except Exception as e:  # registry down, alias missing, corrupt bundle...
+                slot.error = f"{type(e).__name__}: {e}"
+                if self.metrics:
+                    self.metrics.model_loads.labels(name, "error").inc()
+                level = logging.WARNING if current is None else logging.ERROR
+                log.log(level, "cannot load model %r from %s: %s%s", name, slot.source,
+                        slot.error, "" if current is None else
+                        f" (still serving version {current.version})")
+                raise ModelLoadError(slot.error) from e
+            self._loaded[name] = new  # the swap: atomic for readers
+            slot.error = None
+            if self.metrics:
+                self.metrics.model_loads.labels(name, "ok").inc()
+                self.metrics.model_load_seconds.labels(name).set(new.load_seconds)
+                self.metrics.model_loaded.labels(name).set(1)
+            if current is None:
+                log.info("serving %r version %s from %s (loaded in %.2fs)", name, new.version,
+                         slot.source, new.load_seconds)
+            else:
+                log.info("swapped %r: version %s -> %s (loaded in %.2fs)", name, previous,
+                         new.version, new.load_seconds)
+            return RefreshResult(name, True, previous, new)
+
+    async def poll_forever(self, interval_s: float) -> None:
+        """Refresh every model every ``interval_s`` seconds (the background task)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            for name in self._slots:
+                try:
+                    await self.refresh(name)
+                except ModelLoadError:
+                    pass
+                except Exception:  # never let the poller die
+                    log.exception("model poll failed for %r", name)
+
+    # --- blocking helpers (run in worker threads) -----------------------------------------------
+
+    def _resolve(self, source: str) -> Resolved:
+        if source.startswith("models:/"):
+            ref = tracking.resolve_model(source, client=self.client)
+            return Resolved(
+                fingerprint=f"{ref.name}/{ref.version}", version=ref.version, alias=ref.alias,
+                run_id=ref.run_id, artifact_uri=f"models:/{ref.name}/{ref.version}",
+            )
+        if source.startswith("runs:/"):
+            run_id = source.removeprefix("runs:/").split("/", 1)[0]
+            return Resolved(fingerprint=source, run_id=run_id, artifact_uri=source)
+        path = Path(source.removeprefix("file://")).expanduser()
+        bundle_dir = path if (path / META).is_file() else tracking.bundle_dir_in_model(path)
+        if bundle_dir is None:
+            raise FileNotFoundError(f"{path} is neither a model bundle nor an MLflow model")
+        st = (bundle_dir / WEIGHTS).stat()
+        return Resolved(fingerprint=f"{bundle_dir}:{st.st_mtime_ns}:{st.st_size}",
+                        local_path=bundle_dir)
+
+    def _load(self, name: str, source: str, resolved: Resolved) -> LoadedModel:
+        start = time.perf_counter()
+        tmp: str | None = None
+        try:
+            if resolved.local_path is not None:
+                bundle = load_bundle(resolved.local_path)
+            else:
+                assert resolved.artifact_uri is not None
+                tmp = tempfile.mkdtemp(prefix=f"vit-service-{name}-")
+                bundle = load_bundle(tracking.download_bundle_uri(resolved.artifact_uri, tmp))
+        finally:
+            if tmp is not None:  # weights and tokenizer are in memory now
+                shutil.rmtree(tmp, ignore_errors=True)
+        set_fused_attn(bundle.model, True)  # fast path unless attention maps are asked for
+        for p in bundle.model.parameters():
+            p.requires_grad_(False)
+        return LoadedModel(
+            name=name, source=source, bundle=bundle, resolved=resolved,
+            run_url=self._run_url(resolved.run_id),
+            loaded_at=datetime.now(timezone.utc), load_seconds=time.perf_counter() - start,
+        )
+
+    def _run_url(self, run_id: str | None) -> str | None:
+        base = self.settings.mlflow_ui_url
+        if base is None and self.tracking_uri.startswith(("http://", "https://")):
+            base = self.tracking_uri
+        if base is None or run_id is None:
+            return None
+        try:
+            exp = self.client.get_run(run_id).info.experiment_id
+        except Exception as e:  # a link is not worth failing a load for
+            log.debug("no experiment for run %s: %s", run_id, e)
+            return None
+        return f"{base.rstrip('/')}/#/experiments/{exp}/runs/{run_id}"

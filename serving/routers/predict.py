@@ -1,0 +1,159 @@
+"""``POST /v1/predict/image`` and ``POST /v1/predict/text``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+
+from serving.deps import JsonBodyDep, ServiceDep, SettingsDep, StoreDep, loaded_model
+from serving.errors import (
+    BadInputError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    UnsupportedMediaTypeError,
+    error_responses,
+)
+from serving.inference import ImageInput, ImageJob, TextJob
+from serving.model_store import IMAGE_CONTENT_TYPES
+from serving.schemas import (
+    AttentionKind,
+    ImagePredictResponse,
+    TextPredictRequest,
+    TextPredictResponse,
+)
+from vit_service.preprocess import ImageDecodeError, ImageTooLargeError, decode_image
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/predict", tags=["predict"])
+
+MULTIPART = "multipart/form-data"
+
+_IMAGE_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "one or more images as multipart `file` fields (one result each, in "
+        "order), or a single raw image body",
+        "content": {
+            MULTIPART: {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "file": {
+                            "type": "array",
+                            "items": {"type": "string", "format": "binary"},
+                        }
+                    },
+                    "required": ["file"],
+                }
+            },
+            **{ct: {"schema": {"type": "string", "format": "binary"}}
+               for ct in IMAGE_CONTENT_TYPES},
+        },
+    }
+}
+
+
+async def _read_images(request: Request, max_items: int) -> list[tuple[bytes, str | None]]:
+    """Raw bytes (and file names) from a multipart or raw-image body."""
+    ctype = request.headers.get("content-type", "")
+    main = ctype.split(";", 1)[0].strip().lower()
+    if main == MULTIPART:
+        async with request.form(max_files=max_items, max_fields=max_items) as form:
+            fields = form.getlist("file")
+            if not fields:
+                raise InvalidRequestError("multipart body has no 'file' field")
+            out = []
+            for i, f in enumerate(fields):
+                if not isinstance(f, UploadFile):
+                    raise InvalidRequestError(f"'file' field {i} is not a file upload")
+                out.append((await f.read(), f.filename))
+            return out
+    if main in IMAGE_CONTENT_TYPES:
+        return [(await request.body(), None)]
+    raise UnsupportedMediaTypeError(ctype, [MULTIPART, *IMAGE_CONTENT_TYPES])
+
+
+def _decode_all(items: list[tuple[bytes, str | None]], max_pixels: int) -> list[ImageInput]:
+    out = []
+    for i, (data, filename) in enumerate(items):
+        what = f"image {i}" + (f" ({filename})" if filename else "")
+        if not data:
+            raise BadInputError(f"{what} is empty")
+        try:
+            out.append(ImageInput(decode_image(data, max_pixels=max_pixels), filename))
+        except ImageTooLargeError as e:
+            raise PayloadTooLargeError(f"{what}: {e}") from e
+        except ImageDecodeError as e:
+            raise BadInputError(f"{what}: {e}") from e
+    return out
+
+
+@router.post(
+    "/image",
+    response_model=ImagePredictResponse,
+    summary="Classify images, with attention maps",
+    openapi_extra=_IMAGE_BODY,
+    responses=error_responses(400, 404, 413, 415, 422, 503),
+)
+async def predict_image(
+    request: Request,
+    settings: SettingsDep,
+    store: StoreDep,
+    service: ServiceDep,
+    model: Annotated[str | None, Query(min_length=1, max_length=200,
+                                       description="served model name")] = None,
+    top_k: Annotated[int, Query(ge=1, le=1000, description="classes per image")] = 5,
+    attention: Annotated[AttentionKind, Query(description="maps to return")] = (
+        AttentionKind.rollout
+    ),
+    overlay: Annotated[bool, Query(description="also return a PNG heatmap overlay")] = False,
+) -> ImagePredictResponse:
+    """Multipart ``file`` field(s) or a raw ``image/png`` / ``image/jpeg`` body. Any size or
+    mode; each image is converted to RGB, resized to the model's input size and normalised with
+    the model's own mean/std."""
+    name = model or settings.default_image_model
+    if overlay and attention == AttentionKind.none:
+        raise InvalidRequestError("overlay=true needs attention maps (attention != none)")
+    loaded_model(store, name, "image")  # 404 / 503 / 422 before reading the body
+    items = await _read_images(request, settings.max_items_per_request)
+    if len(items) > settings.max_items_per_request:
+        raise InvalidRequestError(f"at most {settings.max_items_per_request} images per request")
+    inputs = await run_in_threadpool(_decode_all, items, settings.max_image_pixels)
+    out = await service.predict(name, ImageJob(inputs, top_k, attention, overlay))
+    return ImagePredictResponse.model_validate({"model": out.model.info(),
+                                                "results": out.results})
+
+
+@router.post(
+    "/text",
+    response_model=TextPredictResponse,
+    summary="Classify texts, with attention over tokens",
+    dependencies=[JsonBodyDep],
+    responses=error_responses(404, 413, 415, 422, 503),
+)
+async def predict_text(
+    body: TextPredictRequest,
+    settings: SettingsDep,
+    store: StoreDep,
+    service: ServiceDep,
+) -> TextPredictResponse:
+    """``{"text": "..." | ["...", ...], "model": ..., "top_k": 2, "attention": "rollout"}``.
+    Texts longer than the model's ``max_len`` tokens are truncated (``truncated: true``)."""
+    name = body.model or settings.default_text_model
+    texts = body.texts
+    if len(texts) > settings.max_items_per_request:
+        raise InvalidRequestError(f"at most {settings.max_items_per_request} texts per request")
+    for i, t in enumerate(texts):
+        if len(t) > settings.max_text_chars:
+            raise InvalidRequestError(
+                f"text {i} has {len(t)} characters; the limit is {settings.max_text_chars}"
+            )
+    loaded_model(store, name, "text")
+    out = await service.predict(name, TextJob(texts, body.top_k, body.attention))
+    return TextPredictResponse.model_validate({"model": out.model.info(),
+                                               "results": out.results})

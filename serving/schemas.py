@@ -1,0 +1,198 @@
+"""Request and response models of the REST API (they are the OpenAPI schema too)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class AttentionKind(str, Enum):
+    """Which attention maps a prediction returns (all from the prediction's own forward pass).
+
+    ``none``: no maps (fused fast attention path). ``rollout`` and ``layers``: the rollout map
+    and the per-layer maps (both are always returned together; they are cheap). ``heads``:
+    additionally the per-layer, per-head maps.
+    """
+
+    none = "none"
+    rollout = "rollout"
+    layers = "layers"
+    heads = "heads"
+
+
+# --- shared ------------------------------------------------------------------------------------
+
+
+class ErrorResponse(BaseModel):
+    """Every error: ``{"detail": "..."}`` (422 validation errors: a list of error objects)."""
+
+    detail: str | list[dict]
+
+
+class ModelInfo(BaseModel):
+    """The model version that produced a response."""
+
+    name: str = Field(description="served name (the `model` parameter)")
+    task: Literal["image", "text"]
+    version: str | None = Field(description="registered model version (None for local bundles)")
+    alias: str | None = Field(description="registry alias it was resolved through, e.g. champion")
+    run_id: str | None = Field(description="MLflow run that logged the model")
+    source: str = Field(description="configured source, e.g. models:/cifar10-vit@champion")
+    run_url: str | None = Field(None, description="link to the run in the MLflow UI")
+    loaded_at: datetime
+
+
+class Prediction(BaseModel):
+    label: str
+    index: int = Field(description="class index")
+    probability: float = Field(ge=0, le=1)
+
+
+# --- images ------------------------------------------------------------------------------------
+
+
+class ImageAttention(BaseModel):
+    """Maps of the [CLS] token over the patch grid (rows x cols, row-major, top-left first).
+
+    Every map is the [CLS] row without the [CLS] column, renormalised to sum to 1.
+    """
+
+    grid: tuple[int, int] = Field(description="patch grid (rows, cols), e.g. [8, 8]")
+    rollout: list[list[float]] = Field(description="attention rollout, shape grid")
+    layers: list[list[list[float]]] = Field(description="per layer, heads averaged: (L, *grid)")
+    heads: list[list[list[list[float]]]] | None = Field(
+        None, description="per layer per head (L, H, *grid); only with attention=heads"
+    )
+
+
+class ImageResult(BaseModel):
+    filename: str | None = Field(None, description="multipart file name, if any")
+    width: int = Field(description="width of the uploaded image")
+    height: int = Field(description="height of the uploaded image")
+    predictions: list[Prediction] = Field(description="top_k classes, most probable first")
+    attention: ImageAttention | None = None
+    overlay_png: str | None = Field(
+        None, description="base64 PNG of the rollout heatmap over the input (overlay=true)"
+    )
+
+
+class ImagePredictResponse(BaseModel):
+    model: ModelInfo
+    results: list[ImageResult] = Field(description="one per input image, in input order")
+
+
+# --- text --------------------------------------------------------------------------------------
+
+
+class TextPredictRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [{"text": "A moving, beautifully shot film.", "top_k": 2}]
+        },
+    )
+
+    text: str | list[str] = Field(description="one text or a list of texts (one result each)")
+    model: str | None = Field(
+        None, min_length=1, max_length=200, description="served model name (default: settings)"
+    )
+    top_k: int = Field(2, ge=1, le=1000)
+    attention: AttentionKind = AttentionKind.rollout
+
+    @field_validator("text")
+    @classmethod
+    def _not_empty(cls, v: str | list[str]) -> str | list[str]:
+        texts = [v] if isinstance(v, str) else v
+        if not texts:
+            raise ValueError("at least one text is required")
+        for i, t in enumerate(texts):
+            if not t.strip():
+                raise ValueError(f"text {i} is empty")
+        return v
+
+    @property
+    def texts(self) -> list[str]:
+        return [self.text] if isinstance(self.text, str) else list(self.text)
+
+
+class TextAttention(BaseModel):
+    """Maps of the [CLS] token over the text's tokens (aligned with ``tokens``; [CLS] and
+    padding excluded); every map sums to 1."""
+
+    rollout: list[float]
+    layers: list[list[float]] = Field(description="per layer, heads averaged: (L, n_tokens)")
+    heads: list[list[list[float]]] | None = Field(
+        None, description="per layer per head (L, H, n_tokens); only with attention=heads"
+    )
+
+
+class TextResult(BaseModel):
+    predictions: list[Prediction]
+    tokens: list[str] = Field(description="tokenizer pieces the model saw, after [CLS]")
+    truncated: bool = Field(description="the text was cut to the model's max_len")
+    attention: TextAttention | None = None
+
+
+class TextPredictResponse(BaseModel):
+    model: ModelInfo
+    results: list[TextResult] = Field(description="one per input text, in input order")
+
+
+# --- models ------------------------------------------------------------------------------------
+
+
+class InputSpec(BaseModel):
+    """What the model expects; the server does this preprocessing itself."""
+
+    type: Literal["image", "text"]
+    image_size: int | None = Field(None, description="images are resized to image_size^2 RGB")
+    mean: list[float] | None = None
+    std: list[float] | None = None
+    patch_grid: tuple[int, int] | None = None
+    content_types: list[str] | None = None
+    max_len: int | None = Field(None, description="texts are truncated to max_len tokens")
+    vocab_size: int | None = None
+
+
+class ModelEntry(BaseModel):
+    name: str
+    source: str
+    loaded: bool
+    task: Literal["image", "text"] | None = None
+    version: str | None = None
+    alias: str | None = None
+    run_id: str | None = None
+    run_url: str | None = None
+    classes: list[str] | None = None
+    input: InputSpec | None = None
+    architecture: dict | None = Field(None, description="model config from the bundle")
+    loaded_at: datetime | None = None
+    load_seconds: float | None = None
+    error: str | None = Field(None, description="last load error, if any")
+
+
+class ModelsResponse(BaseModel):
+    models: list[ModelEntry]
+
+
+class ReloadResponse(BaseModel):
+    name: str
+    reloaded: bool = Field(description="a new version was loaded and swapped in")
+    previous_version: str | None
+    model: ModelEntry
+
+
+# --- health ------------------------------------------------------------------------------------
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ReadyResponse(BaseModel):
+    status: Literal["ready", "not ready"]
+    loaded: dict[str, str | None] = Field(description="loaded model -> version")
+    missing: list[str] = Field(description="configured models not loaded yet")
