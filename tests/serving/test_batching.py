@@ -1,0 +1,179 @@
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from serving.batching import MicroBatcher
+
+IMAGE, TEXT = "/v1/predict/image", "/v1/predict/text"
+
+
+# --- the batcher on its own --------------------------------------------------------------------
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_batcher_groups_jobs_keeps_order_and_never_splits_a_job() -> None:
+    seen: list[list[str]] = []
+
+    def process(jobs: list[str]) -> list[str]:
+        seen.append(list(jobs))
+        return [j.upper() for j in jobs]
+
+    async def main() -> list[str]:
+        with ThreadPoolExecutor(1) as ex:
+            b = MicroBatcher("t", process, ex, max_batch_size=4, max_wait_ms=200)
+            sizes = {"a": 1, "b": 1, "c": 3, "d": 2, "e": 5}
+            tasks = []
+            for name, size in sizes.items():
+                tasks.append(asyncio.create_task(b.submit(name, size)))
+                await asyncio.sleep(0)  # enqueue in this order
+            out = await asyncio.gather(*tasks)
+            await b.close()
+            return out
+
+    assert _run(main()) == ["A", "B", "C", "D", "E"]
+    # a+b (2) cannot take c (3 -> 5 > 4): c starts the next batch; e (5 > 4) runs alone
+    assert seen == [["a", "b"], ["c"], ["d"], ["e"]]
+
+
+def test_batcher_errors_are_per_job_and_the_batcher_survives() -> None:
+    def process(jobs: list[int]) -> list[object]:
+        if -1 in jobs:
+            raise RuntimeError("whole batch failed")
+        return [ValueError(f"bad {j}") if j < 0 else j * 10 for j in jobs]
+
+    async def main() -> None:
+        with ThreadPoolExecutor(1) as ex:
+            b = MicroBatcher("t", process, ex, max_batch_size=8, max_wait_ms=50)
+            r = await asyncio.gather(b.submit(1, 1), b.submit(-2, 1), b.submit(3, 1),
+                                     return_exceptions=True)
+            assert r[0] == 10 and isinstance(r[1], ValueError) and r[2] == 30
+            with pytest.raises(RuntimeError, match="whole batch"):
+                await b.submit(-1, 1)
+            assert await b.submit(4, 1) == 40
+            await b.close()
+
+    _run(main())
+
+
+def test_batcher_waits_at_most_max_wait() -> None:
+    async def main() -> float:
+        with ThreadPoolExecutor(1) as ex:
+            b = MicroBatcher("t", lambda jobs: jobs, ex, max_batch_size=8, max_wait_ms=50)
+            start = time.perf_counter()
+            await b.submit(1, 1)
+            elapsed = time.perf_counter() - start
+            await b.close()
+            return elapsed
+
+    assert 0.04 < _run(main()) < 1.0
+
+
+# --- through the app: concurrent requests share a forward pass, results unchanged ---------------
+
+
+def _fire(fns):
+    """Call every function at (nearly) the same moment from its own thread."""
+    barrier = threading.Barrier(len(fns))
+
+    def go(fn):
+        barrier.wait()
+        return fn()
+
+    with ThreadPoolExecutor(len(fns)) as ex:
+        return list(ex.map(go, fns))
+
+
+def _assert_same(batched: dict, single: dict) -> None:
+    assert batched["model"]["version"] == single["model"]["version"]
+    for b, s in zip(batched["results"], single["results"], strict=True):
+        assert [p["index"] for p in b["predictions"]] == [p["index"] for p in s["predictions"]]
+        np.testing.assert_allclose([p["probability"] for p in b["predictions"]],
+                                   [p["probability"] for p in s["predictions"]], atol=1e-5)
+        assert (b["attention"] is None) == (s["attention"] is None)
+        if b["attention"] is not None:
+            for key in ("rollout", "layers", "heads"):
+                if s["attention"][key] is None:
+                    assert b["attention"][key] is None
+                else:
+                    np.testing.assert_allclose(b["attention"][key], s["attention"][key],
+                                               atol=1e-5)
+        assert b.get("tokens") == s.get("tokens")
+
+
+def test_concurrent_image_requests_are_batched_and_equal_single_requests(
+    make_client, client, image_bytes
+) -> None:
+    batched = make_client({"cifar10-vit": "models:/cifar10-vit@champion"}, max_wait_ms=400,
+                          max_batch_size=64)
+    requests = []
+    for i in range(8):
+        params = {"attention": ["rollout", "heads", "none"][i % 3], "top_k": 3}
+        if i % 4 == 3:  # a multipart request with two images
+            files = [("file", (f"{i}a.png", image_bytes((30 + i, 20), seed=i), "image/png")),
+                     ("file", (f"{i}b.png", image_bytes((20, 50), seed=100 + i), "image/png"))]
+            requests.append({"files": files, "params": params})
+        else:
+            requests.append({"content": image_bytes((32, 32), seed=i), "params": params,
+                             "headers": {"content-type": "image/png"}})
+
+    responses = _fire([lambda kw=kw: batched.post(IMAGE, **kw) for kw in requests])
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    service = batched.app.state.service
+    # 8 requests arriving together within max_wait share a batch (typically exactly one)
+    assert service.batcher("cifar10-vit").batches <= 2
+    metrics = batched.get("/metrics").text
+    assert 'vit_service_batch_size_sum{model="cifar10-vit"} 10.0' in metrics  # 6 + 2*2 images
+
+    for kw, r in zip(requests, responses, strict=True):
+        single = client.post(IMAGE, **kw)  # the module app, one request at a time
+        _assert_same(r.json(), single.json())
+
+
+def test_concurrent_text_requests_are_batched_and_equal_single_requests(
+    make_client, client
+) -> None:
+    batched = make_client({"imdb-sentiment": "models:/imdb-sentiment@champion"},
+                          max_wait_ms=400)
+    payloads = [
+        {"text": "dull"},
+        {"text": ["the plot was dull and the acting was terrible", "loved it"],
+         "attention": "heads"},
+        {"text": " ".join(["great"] * 40)},
+        {"text": "an instant classic", "attention": "none"},
+        {"text": "i fell asleep", "top_k": 1},
+    ]
+    responses = _fire([lambda p=p: batched.post(TEXT, json=p) for p in payloads])
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    assert batched.app.state.service.batcher("imdb-sentiment").batches <= 2
+    for p, r in zip(payloads, responses, strict=True):
+        _assert_same(r.json(), client.post(TEXT, json=p).json())
+
+
+def test_server_keeps_working_under_concurrent_mixed_load(client, image_bytes) -> None:
+    good, bad = image_bytes(), b"\x89PNG\r\n\x1a\nbroken"
+    png = {"content-type": "image/png"}
+
+    def call(i: int) -> int:
+        kind = i % 5
+        if kind == 0:
+            return client.post(IMAGE, content=bad, headers=png).status_code
+        if kind == 1:
+            return client.post(TEXT, json={"text": ""}).status_code
+        if kind == 2:
+            return client.post(IMAGE, content=good, params={"model": "x"},
+                               headers={"content-type": "image/png"}).status_code
+        if kind == 3:
+            return client.post(TEXT, json={"text": "fine film"}).status_code
+        return client.post(IMAGE, content=good, headers={"content-type": "image/png"}).status_code
+
+    with ThreadPoolExecutor(8) as ex:
+        codes = list(ex.map(call, range(40)))
+    assert codes == [[400, 422, 404, 200, 200][i % 5] for i in range(40)]
+    assert client.get("/readyz").status_code == 200
