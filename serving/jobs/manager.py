@@ -27,6 +27,7 @@ from vit_service.config import Settings
 log = logging.getLogger(__name__)
 
 PATH_KEY_SUFFIXES = ("dir", "file", "path", "root", "uri")
+SUCCESS_STATUSES = ("finished", "stopped", "succeeded")  # the trainer's "end" event
 
 
 class JobError(Exception):
@@ -38,8 +39,12 @@ class JobError(Exception):
 
 
 def _default_validate(recipe: str, overrides: dict[str, Any]) -> None:
-    from training.recipes import RecipeError, load_recipe
+    """Only known recipe *names* (never a path), overrides checked against the recipe schema."""
+    from training.recipes import RecipeError, list_recipes, load_recipe
 
+    known = list_recipes()
+    if recipe not in known:
+        raise JobError(422, f"unknown recipe {recipe!r}; known: {', '.join(known)}")
     try:
         load_recipe(recipe, overrides)
     except RecipeError as e:
@@ -285,7 +290,7 @@ class JobManager:
         end = self._last_event(job, "end")
         if job.reason == "cancel requested":
             state, reason = JobState.cancelled, "cancelled"
-        elif end is not None and end.get("status", "succeeded") in ("succeeded", "completed", "ok"):
+        elif end is not None and end.get("status") in SUCCESS_STATUSES:
             state, reason = JobState.succeeded, None
         else:
             state = JobState.failed

@@ -1,0 +1,90 @@
+"""Request and response models of the jobs API."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from serving.jobs.store import JobRecord, JobState
+
+Scalar = bool | int | float | str
+
+
+class JobCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    recipe: str = Field(
+        ..., examples=["cifar10-vit-cpu"], description="a name from GET /v1/recipes"
+    )
+    overrides: dict[str, Scalar] = Field(
+        default_factory=dict, examples=[{"epochs": 2, "model.pos_encoding": "learned"}],
+        description="dotted recipe keys -> values, validated against the recipe's schema",
+    )
+    name: str = Field("", max_length=200, description="a label for people")
+    nprocs: int = Field(1, ge=1, description="processes (torchrun/DDP) for this job")
+
+
+class JobProgress(BaseModel):
+    epoch: int | None = None
+    epochs: int | None = None
+    step: int | None = None
+    total_steps: int | None = None
+    last_event: str | None = None
+    metrics: dict[str, float] = Field(default_factory=dict, description="latest values")
+
+
+class Job(BaseModel):
+    id: str
+    name: str
+    recipe: str
+    overrides: dict[str, Any]
+    nprocs: int
+    state: JobState
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    exit_code: int | None
+    reason: str | None
+    attempts: int
+    progress: JobProgress
+    mlflow_run_id: str | None
+    mlflow_run_url: str | None = Field(None, description="the run in the MLflow UI")
+
+    @classmethod
+    def from_record(cls, r: JobRecord, mlflow_ui_url: str | None) -> Job:
+        url = None
+        if r.mlflow_run_id and mlflow_ui_url:
+            url = f"{mlflow_ui_url.rstrip('/')}/#/runs/{r.mlflow_run_id}"
+        p = r.progress
+        progress = JobProgress(
+            epoch=p.get("epoch"), epochs=p.get("epochs"), step=p.get("step"),
+            total_steps=p.get("total_steps"), last_event=p.get("last_event"),
+            metrics={k: float(v) for k, v in p.get("metrics", {}).items()},
+        )
+        return cls(
+            id=r.id, name=r.name, recipe=r.recipe, overrides=r.overrides, nprocs=r.nprocs,
+            state=r.state, created_at=r.created_at, started_at=r.started_at,
+            finished_at=r.finished_at, exit_code=r.exit_code, reason=r.reason,
+            attempts=r.attempts, progress=progress, mlflow_run_id=r.mlflow_run_id,
+            mlflow_run_url=url,
+        )
+
+
+class JobList(BaseModel):
+    jobs: list[Job]
+
+
+class JobLogs(BaseModel):
+    id: str
+    lines: list[str]
+
+
+class Recipe(BaseModel):
+    name: str
+    description: str
+
+
+class RecipeList(BaseModel):
+    recipes: list[Recipe]

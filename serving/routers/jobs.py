@@ -1,0 +1,85 @@
+"""Training jobs: launch a known recipe with typed overrides, follow it, cancel, resume.
+
+Every route needs the API key (``Authorization: Bearer <key>``); with no key configured they are
+refused (403).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+
+from serving.deps import ApiKeyDep, JsonBodyDep, SettingsDep
+from serving.errors import error_responses
+from serving.jobs import JobError, JobManager
+from serving.jobs.schemas import Job, JobCreate, JobList, JobLogs, Recipe, RecipeList
+from serving.jobs.store import JobState
+
+router = APIRouter(tags=["jobs"], dependencies=[ApiKeyDep],
+                   responses=error_responses(401, 403))
+
+
+def get_jobs(request: Request) -> JobManager:
+    return request.app.state.jobs
+
+
+JobsDep = Annotated[JobManager, Depends(get_jobs)]
+
+
+@router.get("/recipes", response_model=RecipeList, summary="Recipes a job can run")
+def list_recipes() -> RecipeList:
+    from training.recipes import list_recipes as _list
+
+    return RecipeList(recipes=[Recipe(name=n, description=d) for n, d in _list().items()])
+
+
+@router.post("/jobs", response_model=Job, status_code=status.HTTP_202_ACCEPTED,
+             dependencies=[JsonBodyDep], responses=error_responses(415, 422),
+             summary="Queue a training job")
+async def create_job(body: JobCreate, jobs: JobsDep, settings: SettingsDep) -> Job:
+    rec = await run_in_threadpool(jobs.submit, body.recipe, body.overrides, body.name,
+                                  body.nprocs)
+    return Job.from_record(rec, settings.mlflow_ui_url)
+
+
+@router.get("/jobs", response_model=JobList, summary="Jobs, newest first")
+def list_jobs(jobs: JobsDep, settings: SettingsDep, state: JobState | None = None,
+              limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> JobList:
+    return JobList(jobs=[Job.from_record(r, settings.mlflow_ui_url)
+                         for r in jobs.list(state, limit)])
+
+
+@router.get("/jobs/{job_id}", response_model=Job, responses=error_responses(404))
+def get_job(job_id: str, jobs: JobsDep, settings: SettingsDep) -> Job:
+    return Job.from_record(jobs.get(job_id), settings.mlflow_ui_url)
+
+
+@router.get("/jobs/{job_id}/logs", response_model=JobLogs, responses=error_responses(404))
+def job_logs(job_id: str, jobs: JobsDep,
+             tail: Annotated[int, Query(ge=0, le=10_000)] = 100) -> JobLogs:
+    return JobLogs(id=job_id, lines=jobs.logs(job_id, tail))
+
+
+@router.post("/jobs/{job_id}/cancel", response_model=Job, status_code=status.HTTP_202_ACCEPTED,
+             responses=error_responses(404, 409),
+             summary="SIGTERM (the trainer checkpoints), SIGKILL after a grace period")
+def cancel_job(job_id: str, jobs: JobsDep, settings: SettingsDep) -> Job:
+    return Job.from_record(jobs.cancel(job_id), settings.mlflow_ui_url)
+
+
+@router.post("/jobs/{job_id}/resume", response_model=Job, status_code=status.HTTP_202_ACCEPTED,
+             responses=error_responses(404, 409),
+             summary="Queue a failed or cancelled job again, from its last checkpoint")
+def resume_job(job_id: str, jobs: JobsDep, settings: SettingsDep) -> Job:
+    return Job.from_record(jobs.resume(job_id), settings.mlflow_ui_url)
+
+
+def install_job_error_handler(app: FastAPI) -> None:
+    """``JobError`` -> its status (404 unknown job, 409 wrong state, 422 bad request)."""
+
+    @app.exception_handler(JobError)
+    async def _job_error(request: Request, exc: JobError) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
