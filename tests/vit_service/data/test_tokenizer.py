@@ -1,0 +1,138 @@
+"""WordPiece tokenizer: special ids, padding/truncation, alignment, persistence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from vit_service.data import SPECIAL_TOKENS, TextTokenizer, train_tokenizer
+
+WORDS = (
+    "the movie film was great terrible acting plot story actor director scene music "
+    "boring amazing good bad wonderful awful funny sad long short character ending"
+).split()
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[str]:
+    rng = np.random.default_rng(0)
+    texts = []
+    for _ in range(300):
+        words = rng.choice(WORDS, size=int(rng.integers(3, 15)))
+        texts.append(" ".join(words).capitalize() + rng.choice([".", "!", "?"]))
+    return texts
+
+
+@pytest.fixture(scope="module")
+def tok(corpus) -> TextTokenizer:
+    return TextTokenizer.train(corpus, vocab_size=200, min_frequency=2)
+
+
+def test_special_token_ids(tok, corpus) -> None:
+    assert [tok.tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
+    assert SPECIAL_TOKENS == ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+    assert (tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id) == (0, 1, 2, 3, 4)
+    assert len(SPECIAL_TOKENS) < tok.vocab_size <= 200
+    raw = train_tokenizer(corpus, vocab_size=150)
+    assert isinstance(raw, Tokenizer)
+    assert raw.encode("great movie").ids[0] == 2  # raw tokenizer also starts with [CLS]
+
+
+def test_padding_truncation_and_alignment(tok) -> None:
+    texts = ["Great movie.", "The plot was boring and the acting was awful, sad ending!", ""]
+    enc = tok.encode_batch(texts, max_len=8)
+    assert enc.input_ids.dtype == torch.long and enc.attention_mask.dtype == torch.bool
+    b, t = enc.input_ids.shape
+    assert b == 3 and t == 8  # the long text hits max_len
+    assert enc.truncated == [False, True, False]
+    assert (enc.input_ids[:, 0] == tok.cls_id).all()
+    assert (enc.input_ids[~enc.attention_mask] == tok.pad_id).all()
+    assert enc.lengths.tolist() == [len(enc.tokens(i)) for i in range(3)]
+    assert enc.tokens(2) == ["[CLS]"] and enc.lengths[2] == 1
+    for i in range(3):
+        pieces = enc.tokens(i)
+        assert pieces[0] == "[CLS]"
+        ids = enc.input_ids[i, : len(pieces)].tolist()
+        assert ids == [tok.tokenizer.token_to_id(p) for p in pieces]
+        assert enc.attention_mask[i, : len(pieces)].all()
+        assert not enc.attention_mask[i, len(pieces) :].any()
+    assert enc.tokens(0)[1:] == ["great", "movie", "."]  # lowercased, punctuation split
+
+    short = tok.encode_batch(["Great movie.", "Bad."], max_len=64)
+    assert short.input_ids.shape == (2, 4) and short.truncated == [False, False]
+
+
+def test_normalisation_and_unknown(tok) -> None:
+    a = tok.encode_batch(["CAFÉ Café café"], max_len=16).input_ids
+    b = tok.encode_batch(["cafe cafe cafe"], max_len=16).input_ids
+    assert torch.equal(a, b)
+    enc = tok.encode_batch(["great ☃ movie"], max_len=16)
+    assert enc.tokens(0)[2] == "[UNK]" and enc.input_ids[0, 2] == tok.unk_id
+    assert tok.decode(tok.encode_batch(["Great movie!"], 16).input_ids[0]) == "great movie!"
+
+
+def test_save_load_round_trip(tok, corpus, tmp_path) -> None:
+    path = tmp_path / "sub" / "tokenizer.json"
+    tok.save(path)
+    loaded = TextTokenizer.load(path)
+    again = TextTokenizer.from_str(tok.to_str())
+    texts = corpus[:20] + ["Unseen wörds ☃ here."]
+    ref = tok.encode_batch(texts, max_len=12)
+    for other in (loaded, again):
+        assert other.vocab_size == tok.vocab_size
+        enc = other.encode_batch(texts, max_len=12)
+        assert torch.equal(enc.input_ids, ref.input_ids)
+        assert torch.equal(enc.attention_mask, ref.attention_mask)
+        assert enc.truncated == ref.truncated
+
+
+def test_encode_to_arrays_matches_encode_batch(tok, corpus) -> None:
+    texts = corpus[:50] + [" ".join(corpus[:40])]  # one long text
+    ids, lengths = tok.encode_to_arrays(texts, max_len=10, chunk_size=16)
+    assert ids.shape == (51, 10) and ids.dtype == np.int32 and lengths.dtype == np.int64
+    enc = tok.encode_batch(texts, max_len=10)
+    for i in range(len(texts)):
+        n = int(lengths[i])
+        assert n == int(enc.lengths[i])
+        assert ids[i, :n].tolist() == enc.input_ids[i, :n].tolist()
+        assert (ids[i, n:] == tok.pad_id).all()
+    assert lengths[-1] == 10
+
+
+def test_long_texts_encode_exactly(tok, corpus) -> None:
+    """The cut-long-texts shortcut gives the same pieces as encoding the whole text."""
+    long_text = " ".join(corpus)  # thousands of characters
+    unk_words = " ".join(["☃" * 40] * 60)  # few tokens per character: the cut is re-encoded
+    texts = [long_text, unk_words, "short one."]
+    for max_len in (2, 16, 300):
+        enc = tok.encode_batch(texts, max_len=max_len)
+        for i, text in enumerate(texts):
+            full = tok.tokenizer.encode(text, add_special_tokens=False).ids
+            n = int(enc.lengths[i])
+            assert enc.input_ids[i, :n].tolist() == [tok.cls_id, *full[: max_len - 1]]
+            assert enc.truncated[i] == (len(full) > max_len - 1)
+
+
+def test_bad_arguments(tok) -> None:
+    with pytest.raises(ValueError):
+        tok.encode_batch(["a"], max_len=1)
+    with pytest.raises(TypeError):
+        tok.encode_batch("a text", max_len=8)
+    with pytest.raises(TypeError):
+        tok.encode_to_arrays("a text", max_len=8)
+    with pytest.raises(ValueError, match="special"):
+        TextTokenizer(Tokenizer.from_str(_without_specials(tok)))
+
+
+def _without_specials(tok: TextTokenizer) -> str:
+    import json
+
+    data = json.loads(tok.to_str())
+    data["added_tokens"] = []
+    data["post_processor"] = None
+    vocab = data["model"]["vocab"]
+    for t in SPECIAL_TOKENS[2:]:
+        vocab.pop(t)
+    return json.dumps(data)
