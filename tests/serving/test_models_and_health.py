@@ -1,5 +1,7 @@
 import shutil
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import mlflow
 import pytest
@@ -82,6 +84,31 @@ def test_alias_move_then_reload_endpoint_swaps_version(make_client, reload_alias
     v, after = _top(c, img)
     assert v == "2" and before != after
     assert c.get("/readyz").json()["loaded"] == {"reload-vit": "2"}
+
+
+def test_old_version_keeps_serving_while_the_new_one_loads(make_client, reload_alias,
+                                                          image_bytes, monkeypatch) -> None:
+    c = make_client({"reload-vit": "models:/reload-vit@champion"}, api_key="secret")
+    store = c.app.state.store
+    started, release = threading.Event(), threading.Event()
+    real_load = store._load
+
+    def slow_load(*args, **kwargs):
+        started.set()
+        release.wait(20)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_load", slow_load)
+    reload_alias("2")
+    img = image_bytes(seed=8)
+    with ThreadPoolExecutor(1) as ex:
+        pending = ex.submit(c.post, "/v1/models/reload-vit/reload", headers=AUTH)
+        assert started.wait(20)
+        assert _top(c, img)[0] == "1"  # v2 is loading: v1 answers, no 503
+        assert c.get("/readyz").status_code == 200
+        release.set()
+        assert pending.result().json()["model"]["version"] == "2"
+    assert _top(c, img)[0] == "2"
 
 
 def test_background_poll_picks_up_moved_alias(make_client, reload_alias, image_bytes) -> None:
