@@ -112,8 +112,8 @@ class Server:
 
 
 async def load(url: str, make_request: dict[str, Any], n: int, concurrency: int,
-               warmup: int) -> dict[str, Any]:
-    """``n`` identical requests, ``concurrency`` in flight; latency percentiles and req/s."""
+               warmup: int) -> tuple[list[float], float, int]:
+    """``n`` identical requests, ``concurrency`` in flight: (latencies s, wall s, errors)."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as client:
         for _ in range(warmup):
@@ -136,9 +136,13 @@ async def load(url: str, make_request: dict[str, Any], n: int, concurrency: int,
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - start
+    return latencies, wall, errors
+
+
+def summarise(latencies: list[float], wall: float, errors: int, c: int) -> dict[str, Any]:
     ms = np.array(latencies) * 1000
     return {
-        "requests": len(latencies), "errors": errors, "concurrency": concurrency,
+        "requests": len(latencies), "errors": errors, "concurrency": c,
         "p50_ms": float(np.percentile(ms, 50)), "p95_ms": float(np.percentile(ms, 95)),
         "p99_ms": float(np.percentile(ms, 99)), "mean_ms": float(ms.mean()),
         "req_per_s": len(latencies) / wall, "wall_s": wall,
@@ -161,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=None,
                    help="requests per level (default: 150 at c=1, 300 at c=8, 600 at c>=32)")
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3, help="alternate the targets this many times")
     p.add_argument("--image-size", type=int, default=32, help="side of the PNG sent")
     p.add_argument("--skip-mlflow", action="store_true", help="only measure our server")
     p.add_argument("--max-batch-size", type=int, default=None)
@@ -236,8 +241,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warning: servers disagree on the class: {answers}", file=sys.stderr)
         for c in args.concurrency:
             n = args.requests or (150 if c == 1 else 300 if c < 32 else 600)
-            for name, server, req in targets:
-                res = asyncio.run(load(server.url, req, n, c, args.warmup))
+            # rounds alternate the targets, so load from other processes hits them alike
+            acc: dict[str, tuple[list[float], float, int]] = {t[0]: ([], 0.0, 0) for t in targets}
+            for rnd in range(args.rounds):
+                chunk = n // args.rounds + (1 if rnd < n % args.rounds else 0)
+                for name, server, req in targets:
+                    lat, wall, err = asyncio.run(load(server.url, req, chunk, c,
+                                                      args.warmup if rnd == 0 else 2))
+                    prev = acc[name]
+                    acc[name] = (prev[0] + lat, prev[1] + wall, prev[2] + err)
+            for name, _, _ in targets:
+                res = summarise(*acc[name], c)
                 res["target"] = name
                 results.append(res)
                 print(f"  {name:24s} c={c:<3d} p50={res['p50_ms']:7.1f}ms "
@@ -288,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "model_uri": uri, "preset": None if args.model_uri else args.preset,
-        "image_size": args.image_size, "results": results, "rollout_overhead": overhead,
+        "image_size": args.image_size, "rounds": args.rounds, "results": results,
+        "rollout_overhead": overhead,
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "python": platform.python_version(), "torch": torch.__version__,
                     "platform": platform.platform(),
