@@ -19,10 +19,12 @@ from fastapi import FastAPI
 
 from serving.errors import install_error_handlers
 from serving.inference import InferenceService
+from serving.jobs import JobManager
 from serving.metrics import MetricsMiddleware, ServingMetrics
 from serving.middleware import BodySizeLimitMiddleware
 from serving.model_store import ModelStore
-from serving.routers import health, models, predict
+from serving.routers import health, jobs, models, predict
+from serving.routers.ui import mount_ui
 from vit_service import __version__, tracking
 from vit_service.config import Settings, get_settings
 
@@ -43,6 +45,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = ServingMetrics()
     store = ModelStore(settings, metrics)
     service = InferenceService(store, settings, metrics)
+    job_manager = JobManager(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -53,6 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             log.warning("no API key configured (VIT_SERVICE_API_KEY): "
                         "POST /v1/models/{name}/reload is refused with 403")
         log.info("tracking URI %s; models: %s", uri, settings.models)
+        await asyncio.to_thread(job_manager.start)  # re-adopts or settles jobs left running
         await store.load_all()
         missing = [n for n in store.names if store.get(n) is None]
         if missing:
@@ -69,6 +73,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 with contextlib.suppress(asyncio.CancelledError):
                     await poller
             await service.close()
+            await asyncio.to_thread(job_manager.stop)  # running jobs go on; re-adopted later
 
     app = FastAPI(
         title="vit-service",
@@ -80,11 +85,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.store = store
     app.state.service = service
+    app.state.jobs = job_manager
 
     install_error_handlers(app)
+    jobs.install_job_error_handler(app)
     app.include_router(health.router)
     app.include_router(predict.router, prefix=API_PREFIX)
     app.include_router(models.router, prefix=API_PREFIX)
+    app.include_router(jobs.router, prefix=API_PREFIX)
+    mount_ui(app)
     # Middleware: the last added is the outermost, so metrics also see 413s from the limiter.
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

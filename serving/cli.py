@@ -1,7 +1,6 @@
 """``vit-service serve``: the REST API under uvicorn.
 
-(``vit-service up`` — MLflow server + API together — will be added here by a later issue; it can
-reuse :func:`add_server_arguments` and :func:`settings_from_args`.)
+``vit-service up``: an MLflow tracking server and the API together (see :mod:`serving.up`).
 """
 
 from __future__ import annotations
@@ -71,3 +70,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description="Serve the configured models over HTTP.")
     add_server_arguments(p)
     p.set_defaults(func=serve)
+
+    up = subparsers.add_parser(
+        "up", help="start an MLflow tracking server and the API, wired together",
+        description="MLflow server (SQLite backend, local artifacts, UI) + the API; Ctrl-C stops "
+        "both.")
+    add_server_arguments(up)
+    up.add_argument("--mlflow-port", type=int, default=5000, help="MLflow server and UI port")
+    up.add_argument("--backend-store-uri", default=None,
+                    help="MLflow backend (default: SQLite under VIT_SERVICE_HOME)")
+    up.set_defaults(func=_up)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from serving.up import run_up
+
+    return run_up(args, settings_from_args(args))

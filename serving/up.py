@@ -17,7 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vit_service.config import Settings, get_settings
+from vit_service.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -73,40 +73,28 @@ def _client_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def run_up(args: argparse.Namespace) -> int:
+def run_up(args: argparse.Namespace, base: Settings) -> int:
     import uvicorn
 
     from serving.app import create_app
 
-    base = get_settings()
-    mlflow_url = f"http://{_client_host(args.host)}:{args.mlflow_port}"
-    proc = start_mlflow_server(base, args.host, args.mlflow_port, args.backend_store_uri)
+    host = _client_host(base.host)
+    mlflow_url = f"http://{host}:{args.mlflow_port}"
+    proc = start_mlflow_server(base, base.host, args.mlflow_port, args.backend_store_uri)
     os.environ["MLFLOW_TRACKING_URI"] = mlflow_url  # for anything that reads the environment
     settings = base.model_copy(update={
         "tracking_uri": mlflow_url,
         "mlflow_ui_url": base.mlflow_ui_url or mlflow_url,
-        "host": args.host,
-        "port": args.port,
     })
     if settings.api_key is None:
         log.warning("VIT_SERVICE_API_KEY is not set: job and model-management routes are refused "
                     "until it is")
-    print(f"MLflow UI:  {mlflow_url}\nAPI:        http://{_client_host(args.host)}:{args.port}"
-          f"  (docs at /docs)", flush=True)
+    print(f"MLflow UI:  {mlflow_url}\nAPI and web page: http://{host}:{settings.port}/  "
+          f"(API docs at /docs)", flush=True)
     try:
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                    log_level=args.log_level)
     finally:
         stop_process(proc)
         log.info("MLflow server stopped")
     return 0
-
-
-def add_up_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="start the MLflow server and the API server, wired together")
-    s = get_settings()
-    p.add_argument("--host", default=s.host, help="bind address for both servers")
-    p.add_argument("--port", type=int, default=s.port, help="API port")
-    p.add_argument("--mlflow-port", type=int, default=5000, help="MLflow server and UI port")
-    p.add_argument("--backend-store-uri", default=None,
-                   help="MLflow backend (default: SQLite under VIT_SERVICE_HOME)")
-    p.set_defaults(func=run_up)

@@ -85,6 +85,10 @@ def test_queue_respects_concurrency_and_cancel(settings: Settings) -> None:
     a = mgr.submit("fake", {"steps": 200})
     b = mgr.submit("fake", {"steps": 2})
     _wait(mgr, a.id, {JobState.running})
+    t0 = time.monotonic()  # let the worker install its SIGTERM handler (it reports steps after)
+    while not mgr.get(a.id).progress.get("step") and time.monotonic() - t0 < 20:
+        mgr.tick()
+        time.sleep(0.05)
     mgr.tick()
     assert mgr.get(b.id).state == JobState.queued  # one at a time
     cancelled_b = mgr.cancel(b.id)
