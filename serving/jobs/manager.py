@@ -246,10 +246,11 @@ class JobManager:
 
     def command(self, job: JobRecord) -> list[str]:
         train = ["-m", "vit_service.cli", "train", job.recipe, "--run-name", f"job-{job.id}"]
-        for key, value in job.overrides.items():
-            train += ["--set", f"{key}={json.dumps(value)}"]  # JSON scalars parse as YAML
-        if job.resume:
-            train += ["--resume", "auto"]
+        if job.resume and (Path(job.run_dir) / "checkpoints" / "last.pt").exists():
+            train += ["--resume", "auto"]  # the checkpoint holds the resolved recipe
+        else:  # first start, or a resume before any checkpoint was written: start afresh
+            for key, value in job.overrides.items():
+                train += ["--set", f"{key}={json.dumps(value)}"]  # JSON scalars parse as YAML
         if job.nprocs > 1:
             return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc_per_node={job.nprocs}", *train[1:]]

@@ -140,4 +140,9 @@ def test_restart_readopts_live_jobs_and_fails_dead_ones(settings: Settings) -> N
     assert gone.state == JobState.failed and "resume" in gone.reason
     again = mgr3.resume(dead.id)
     assert again.state == JobState.queued and again.resume
-    assert "--resume" in JobManager.command(mgr3, again)
+    assert "--resume" not in JobManager.command(mgr3, again)  # no checkpoint yet: afresh
+    ckpt = Path(again.run_dir) / "checkpoints" / "last.pt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"")
+    cmd = JobManager.command(mgr3, again)
+    assert cmd[-2:] == ["--resume", "auto"] and "--set" not in cmd

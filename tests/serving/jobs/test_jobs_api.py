@@ -1,0 +1,189 @@
+"""The jobs API end to end: a real `vit-service serve` process, real `vit-service train` jobs
+(smoke recipe on a generated CIFAR-10 archive), a real SQLite jobs database and MLflow."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.training.conftest import make_cifar_archive
+
+REPO = Path(__file__).resolve().parents[3]
+KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, env: dict[str, str], home: Path) -> None:
+        self.env, self.home = env, home
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def start(self) -> None:
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        log = open(self.home / f"server-{port}.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vit_service.cli", "serve", "--port", str(port),
+             "--reload-interval", "0"],
+            cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, (self.home / f"server-{port}.log").read_text()
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        raise AssertionError("server did not start")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(30)
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return httpx.get(self.url + path, headers=AUTH, timeout=30, **kw)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        headers = {**AUTH, **kw.pop("headers", {})}
+        return httpx.post(self.url + path, headers=headers, timeout=30, **kw)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("jobs-e2e")
+    data = root / "data"
+    data.mkdir()
+    make_cifar_archive(data / "cifar10-jpeg-train.tar.gz", per_class=30)
+    home = root / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("VIT_SERVICE_", "MLFLOW_"))}
+    env.update({
+        "VIT_SERVICE_HOME": str(home), "VIT_SERVICE_DATA_DIR": str(data),
+        "VIT_SERVICE_CACHE_DIR": str(root / "cache"), "VIT_SERVICE_API_KEY": KEY,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
+        "VIT_SERVICE_JOBS_POLL_S": "0.2", "VIT_SERVICE_JOBS_CANCEL_GRACE_S": "60",
+        "VIT_SERVICE_MLFLOW_UI_URL": "http://mlflow.example:5000",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "LOG_LEVEL": "WARNING",
+    })
+    s = Server(env, home)
+    s.start()
+    yield s
+    s.stop()
+
+
+def _follow(server: Server, job_id: str, until: set[str], timeout: float = 240,
+            pred=None) -> dict:
+    deadline = time.monotonic() + timeout
+    job: dict = {}
+    while time.monotonic() < deadline:
+        job = server.get(f"/v1/jobs/{job_id}").json()
+        if job["state"] in until and (pred is None or pred(job)):
+            return job
+        if job["state"] in {"succeeded", "failed", "cancelled"} - until:
+            logs = server.get(f"/v1/jobs/{job_id}/logs?tail=40").json()["lines"]
+            raise AssertionError(f"job ended {job['state']}: {job['reason']}\n" + "\n".join(logs))
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} stuck in {job.get('state')}: {job}")
+
+
+def test_auth_is_required(server: Server) -> None:
+    r = httpx.get(server.url + "/v1/jobs")
+    assert r.status_code == 401
+    r = httpx.get(server.url + "/v1/jobs", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    r = httpx.post(server.url + "/v1/jobs", json={"recipe": "cifar10-smoke"})
+    assert r.status_code == 401
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"recipe": "no-such-recipe"}, "unknown recipe"),
+    ({"recipe": "../../etc/passwd"}, "unknown recipe"),
+    ({"recipe": "cifar10-smoke", "overrides": {"epochz": 2}}, "epochz"),
+    ({"recipe": "cifar10-smoke", "overrides": {"epochs": "many"}}, "epochs"),
+    ({"recipe": "cifar10-smoke", "overrides": {"model.pos_encoding": "spiral"}}, "pos_encoding"),
+    ({"recipe": "cifar10-smoke", "command": "rm -rf /"}, "command"),
+    ({"recipe": "cifar10-smoke", "overrides": {"data.data_dir": "/etc"}}, ""),
+])
+def test_invalid_jobs_are_422(server: Server, body: dict, needle: str) -> None:
+    r = server.post("/v1/jobs", json=body)
+    assert r.status_code == 422, r.text
+    assert needle in r.text
+
+
+def test_submit_and_follow_to_success(server: Server) -> None:
+    recipes = server.get("/v1/recipes").json()["recipes"]
+    assert "cifar10-smoke" in {r["name"] for r in recipes}
+    r = server.post("/v1/jobs", json={"recipe": "cifar10-smoke", "name": "smoke",
+                                      "overrides": {"epochs": 1, "model.pos_encoding": "learned"}})
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert job["state"] == "queued" and job["name"] == "smoke"
+    done = _follow(server, job["id"], {"succeeded"})
+    assert done["exit_code"] == 0 and done["started_at"] and done["finished_at"]
+    assert done["mlflow_run_id"]
+    assert done["mlflow_run_url"].endswith(f"/#/runs/{done['mlflow_run_id']}")
+    assert "val_acc" in done["progress"]["metrics"]
+    assert done["progress"]["total_steps"] == done["progress"]["step"]
+    logs = server.get(f"/v1/jobs/{job['id']}/logs?tail=5").json()["lines"]
+    assert len(logs) <= 5 and logs
+    listed = server.get("/v1/jobs?state=succeeded").json()["jobs"]
+    assert job["id"] in {j["id"] for j in listed}
+
+
+def test_cancel_leaves_a_checkpoint_and_resume_continues(server: Server) -> None:
+    r = server.post("/v1/jobs", json={"recipe": "cifar10-smoke", "overrides": {"epochs": 400}})
+    job = r.json()
+    running = _follow(server, job["id"], {"running"},
+                      pred=lambda j: (j["progress"].get("step") or 0) >= 8)
+    assert running["state"] == "running"
+    r = server.post(f"/v1/jobs/{job['id']}/cancel")
+    assert r.status_code == 202
+    done = _follow(server, job["id"], {"cancelled"}, timeout=90)
+    assert done["reason"].startswith("cancelled")
+    run_dir = Path(server.home) / "runs" / f"job-{job['id']}"
+    ckpts = list(run_dir.rglob("*.pt"))
+    assert ckpts, f"no checkpoint under {run_dir}"
+    step_at_cancel = done["progress"]["step"]
+
+    r = server.post(f"/v1/jobs/{job['id']}/resume")
+    assert r.status_code == 202 and r.json()["state"] == "queued"
+    again = _follow(server, job["id"], {"running"},
+                    pred=lambda j: (j["progress"].get("step") or 0) > step_at_cancel)
+    assert again["attempts"] == 2
+    logs = "\n".join(server.get(f"/v1/jobs/{job['id']}/logs?tail=400").json()["lines"])
+    assert "--resume auto" in logs
+    server.post(f"/v1/jobs/{job['id']}/cancel")
+    _follow(server, job["id"], {"cancelled"}, timeout=90)
+    r = server.post(f"/v1/jobs/{job['id']}/cancel")
+    assert r.status_code == 409
+
+
+def test_restart_mid_job_keeps_the_record(server: Server) -> None:
+    r = server.post("/v1/jobs", json={"recipe": "cifar10-smoke", "overrides": {"epochs": 3}})
+    job = r.json()
+    _follow(server, job["id"], {"running"}, pred=lambda j: (j["progress"].get("step") or 0) >= 1)
+    server.stop(signal.SIGKILL)  # the API dies hard; the job's own process goes on
+    server.start()
+    rec = server.get(f"/v1/jobs/{job['id']}").json()
+    assert rec["state"] in {"running", "succeeded"}
+    done = _follow(server, job["id"], {"succeeded"})
+    assert done["progress"]["step"] == done["progress"]["total_steps"]
