@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,55 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.serving.procs import KEY, Server
 from tests.training.conftest import make_cifar_archive
-
-REPO = Path(__file__).resolve().parents[3]
-KEY = "test-key-123"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, env: dict[str, str], home: Path) -> None:
-        self.env, self.home = env, home
-        self.proc: subprocess.Popen | None = None
-        self.url = ""
-
-    def start(self) -> None:
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        log = open(self.home / f"server-{port}.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vit_service.cli", "serve", "--port", str(port),
-             "--reload-interval", "0"],
-            cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, (self.home / f"server-{port}.log").read_text()
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        raise AssertionError("server did not start")
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(30)
-
-    def get(self, path: str, **kw) -> httpx.Response:
-        return httpx.get(self.url + path, headers=AUTH, timeout=30, **kw)
-
-    def post(self, path: str, **kw) -> httpx.Response:
-        headers = {**AUTH, **kw.pop("headers", {})}
-        return httpx.post(self.url + path, headers=headers, timeout=30, **kw)
 
 
 @pytest.fixture(scope="module")
