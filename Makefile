@@ -7,8 +7,17 @@ PY := $(VENV)/bin/python
 # torch comes first, pinned: on this kind of machine pip takes these builds from local disk.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup run test lint bench clean
-setup: $(VENV)/.installed
+.PHONY: setup run test lint bench clean browser
+setup: $(VENV)/.installed browser
+
+# Headless Chromium + ChromeDriver from Debian for the web-page test (skipped if not installable).
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      chromium chromium-driver >/dev/null) || echo "warning: chromium not installed"; \
+	  else echo "note: install chromium and chromium-driver for the browser test"; fi; \
+	fi
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

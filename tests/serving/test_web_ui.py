@@ -25,6 +25,8 @@ SCREENSHOTS = Path(os.environ.get("VIT_SERVICE_ARTIFACTS", REPO / "artifacts")) 
 
 webdriver = pytest.importorskip("selenium.webdriver")
 if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
+    if os.environ.get("VIT_SERVICE_REQUIRE_BROWSER"):  # CI: missing browser is a failure
+        raise RuntimeError(f"{CHROMIUM} / {CHROMEDRIVER} missing; run `make browser`")
     pytest.skip("Debian chromium + chromium-driver not installed (make setup installs them)",
                 allow_module_level=True)
 
