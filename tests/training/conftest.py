@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +71,8 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def env(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+def env(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+        ) -> Iterator[dict[str, str]]:
     """A private home, cache and SQLite MLflow for one test (also set in os.environ)."""
     home = tmp_path / "home"
     values = {
@@ -90,10 +92,16 @@ def env(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> dict
     get_settings.cache_clear()
 
 
-def run_cli(args: list[str], env: dict[str, str], timeout: float = 240,
-            **kw: object) -> subprocess.CompletedProcess[str]:
-    """``python -m vit_service.cli ARGS`` in a subprocess (stdout captured: not a TTY)."""
-    full_env = {**os.environ, **env}
-    return subprocess.run([sys.executable, "-m", "vit_service.cli", *args], cwd=REPO,
-                          env=full_env, capture_output=True, text=True, timeout=timeout,
-                          **kw)  # type: ignore[call-overload]
+@pytest.fixture(scope="session")
+def run_cli():
+    """``run_cli(args, env)``: ``python -m vit_service.cli ARGS`` in a subprocess, stdout
+    captured (so not a TTY: progress comes as JSON lines)."""
+
+    def run(args: list[str], env: dict[str, str], timeout: float = 300
+            ) -> subprocess.CompletedProcess[str]:
+        full_env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+        return subprocess.run([sys.executable, "-m", "vit_service.cli", *args], cwd=REPO,
+                              env={**full_env, **env}, capture_output=True, text=True,
+                              timeout=timeout)
+
+    return run

@@ -1,0 +1,98 @@
+import pytest
+
+from training.recipes import (
+    RecipeError,
+    flatten,
+    list_recipes,
+    load_recipe,
+    parse_overrides,
+    parse_value,
+    validate_recipe,
+)
+
+EXPECTED = {"cifar10-vit", "cifar10-vit-cpu", "cifar10-smoke", "imdb-transformer",
+            "imdb-transformer-cpu", "imdb-smoke"}
+
+
+def test_every_shipped_recipe_validates_and_has_a_description() -> None:
+    recipes = list_recipes()
+    assert EXPECTED <= set(recipes)
+    for name, desc in recipes.items():
+        r = load_recipe(name)
+        assert r.name == name and desc
+        assert r.model.pos_encoding in ("learned", "sinusoidal", "none")
+        assert r.register_as in (None, "cifar10-vit", "imdb-sentiment")
+
+
+def test_dotted_overrides_are_parsed_as_yaml_scalars_and_applied() -> None:
+    r = load_recipe("cifar10-smoke", {
+        "model.pos_encoding": "sinusoidal", "epochs": "3", "optim.lr": "1e-3",
+        "optim.betas": "[0.9, 0.95]", "optim.ema_decay": "null", "augment.hflip": "false",
+        "model.overrides.depth": "3", "data.subset": 64,
+    })
+    assert r.model.pos_encoding == "sinusoidal"
+    assert r.epochs == 3 and isinstance(r.epochs, int)
+    assert r.optim.lr == pytest.approx(1e-3)
+    assert r.optim.betas == (0.9, 0.95)
+    assert r.optim.ema_decay is None
+    assert r.augment.hflip is False
+    assert r.model.overrides == {"depth": 3}
+    assert r.data.subset == 64
+    assert load_recipe("cifar10-smoke").epochs != 3  # the file itself is untouched
+
+
+@pytest.mark.parametrize("key", ["optim.lrr", "bogus", "augment.cutmix", "data.colour"])
+def test_unknown_key_is_an_error_naming_it(key: str) -> None:
+    with pytest.raises(RecipeError) as exc:
+        load_recipe("cifar10-smoke", {key: "1"})
+    assert key in str(exc.value)
+    assert (key, "unknown key") in exc.value.errors
+
+
+@pytest.mark.parametrize(("key", "value"), [("epochs", "abc"), ("epochs", "2.5"),
+                                            ("optim.lr", "fast"), ("batch_size", "[1]"),
+                                            ("device", "tpu"), ("augment.cutmix_prob", "1.5"),
+                                            ("model.pos_encoding", "rotary")])
+def test_wrong_type_or_value_is_an_error_naming_the_key(key: str, value: str) -> None:
+    with pytest.raises(RecipeError) as exc:
+        load_recipe("cifar10-smoke", {key: value})
+    assert key in [k for k, _ in exc.value.errors]
+
+
+def test_several_bad_keys_are_reported_together() -> None:
+    with pytest.raises(RecipeError) as exc:
+        load_recipe("cifar10-smoke", {"epochs": "abc", "optim.lrr": "1"})
+    keys = {k for k, _ in exc.value.errors}
+    assert {"epochs", "optim.lrr"} <= keys
+
+
+def test_model_overrides_are_checked_against_the_preset() -> None:
+    with pytest.raises(RecipeError, match="depthh"):
+        load_recipe("cifar10-smoke", {"model.overrides.depthh": "3"})
+    with pytest.raises(RecipeError, match="unknown model"):
+        load_recipe("cifar10-smoke", {"model.name": "vit_huge"})
+    with pytest.raises(RecipeError, match="does not fit"):
+        load_recipe("cifar10-smoke", {"model.name": "text_test"})
+
+
+def test_unknown_recipe_lists_the_available_ones() -> None:
+    with pytest.raises(RecipeError, match="cifar10-smoke"):
+        load_recipe("no-such-recipe")
+
+
+def test_validate_recipe_accepts_a_plain_dict_like_the_jobs_api() -> None:
+    d = load_recipe("imdb-smoke").to_dict()
+    assert validate_recipe(d).to_dict() == d
+    d["optim"]["lr"] = "1e-4"  # YAML-1.1 style string float from a JSON client
+    assert validate_recipe(d).optim.lr == pytest.approx(1e-4)
+
+
+def test_override_helpers() -> None:
+    assert parse_overrides(["a.b=1", "c = x"]) == {"a.b": "1", "c": "x"}
+    with pytest.raises(RecipeError):
+        parse_overrides(["novalue"])
+    assert parse_value("1e-3") == pytest.approx(1e-3)
+    assert parse_value("7") == 7
+    assert parse_value("null") is None
+    assert parse_value("learned") == "learned"
+    assert flatten({"a": {"b": 1, "c": {"d": 2}}, "e": {}}) == {"a.b": 1, "a.c.d": 2, "e": {}}
