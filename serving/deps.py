@@ -1,4 +1,8 @@
-"""FastAPI dependencies and their ``Annotated`` aliases (``SettingsDep``, ``StoreDep``...)."""
+"""FastAPI dependencies and their ``Annotated`` aliases (``SettingsDep``, ``StoreDep``...).
+
+They are ``async def`` on purpose: FastAPI runs plain ``def`` dependencies in its thread pool,
+a thread hop per dependency per request for what are attribute look-ups.
+"""
 
 from __future__ import annotations
 
@@ -22,19 +26,19 @@ from serving.model_store import LoadedModel, ModelStore
 from vit_service.config import Settings
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_store(request: Request) -> ModelStore:
+async def get_store(request: Request) -> ModelStore:
     return request.app.state.store
 
 
-def get_service(request: Request) -> InferenceService:
+async def get_service(request: Request) -> InferenceService:
     return request.app.state.service
 
 
-def get_metrics(request: Request) -> ServingMetrics:
+async def get_metrics(request: Request) -> ServingMetrics:
     return request.app.state.metrics
 
 
@@ -57,7 +61,7 @@ def loaded_model(store: ModelStore, name: str, task: str) -> LoadedModel:
     return model
 
 
-def configured_model_name(name: str, store: StoreDep) -> str:
+async def configured_model_name(name: str, store: StoreDep) -> str:
     """Path parameter ``name`` of a configured model (else 404)."""
     if not store.is_configured(name):
         raise ModelNotFoundError(name, store.names)
@@ -69,7 +73,7 @@ ModelNameDep = Annotated[str, Depends(configured_model_name)]
 _bearer = HTTPBearer(auto_error=False, description="Settings.api_key (VIT_SERVICE_API_KEY)")
 
 
-def require_api_key(
+async def require_api_key(
     settings: SettingsDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> None:
@@ -86,7 +90,7 @@ def require_api_key(
 ApiKeyDep = Depends(require_api_key)
 
 
-def require_json(request: Request) -> None:
+async def require_json(request: Request) -> None:
     """415 unless the body is declared as JSON."""
     ctype = request.headers.get("content-type", "")
     main = ctype.split(";", 1)[0].strip().lower()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
+from PIL import Image
 from starlette.datastructures import UploadFile
 
 from serving.deps import JsonBodyDep, ServiceDep, SettingsDep, StoreDep, loaded_model
@@ -78,6 +80,21 @@ async def _read_images(request: Request, max_items: int) -> list[tuple[bytes, st
     raise UnsupportedMediaTypeError(ctype, [MULTIPART, *IMAGE_CONTENT_TYPES])
 
 
+INLINE_DECODE_PIXELS = 256 * 256  # smaller images are decoded on the event loop (< ~1 ms)
+
+
+def _small(items: list[tuple[bytes, str | None]]) -> bool:
+    """Whether every image's header says it is small enough to decode without a thread hop."""
+    for data, _ in items:
+        try:
+            with Image.open(io.BytesIO(data)) as img:  # reads the header only
+                if img.width * img.height > INLINE_DECODE_PIXELS:
+                    return False
+        except Exception:  # undecodable: let _decode_all report it (cheaply)
+            continue
+    return True
+
+
 def _decode_all(items: list[tuple[bytes, str | None]], max_pixels: int) -> list[ImageInput]:
     out = []
     for i, (data, filename) in enumerate(items):
@@ -123,7 +140,10 @@ async def predict_image(
     items = await _read_images(request, settings.max_items_per_request)
     if len(items) > settings.max_items_per_request:
         raise InvalidRequestError(f"at most {settings.max_items_per_request} images per request")
-    inputs = await run_in_threadpool(_decode_all, items, settings.max_image_pixels)
+    if _small(items):
+        inputs = _decode_all(items, settings.max_image_pixels)
+    else:  # large images: decode in the thread pool (PIL releases the GIL)
+        inputs = await run_in_threadpool(_decode_all, items, settings.max_image_pixels)
     out = await service.predict(name, ImageJob(inputs, top_k, attention, overlay))
     return ImagePredictResponse.model_validate({"model": out.model.info(),
                                                 "results": out.results})
