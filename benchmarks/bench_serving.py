@@ -149,6 +149,17 @@ def summarise(latencies: list[float], wall: float, errors: int, c: int) -> dict[
     }
 
 
+def batch_counts(url: str) -> tuple[float, float]:
+    """(batches, inputs) so far, from our server's Prometheus metrics."""
+    batches = inputs = 0.0
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("vit_service_batch_size_count"):
+            batches += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vit_service_batch_size_sum"):
+            inputs += float(line.rsplit(" ", 1)[1])
+    return batches, inputs
+
+
 def png_image(size: int, seed: int = 0) -> bytes:
     arr = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
     buf = io.BytesIO()
@@ -240,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(set(answers.values())) != 1:
             print(f"warning: servers disagree on the class: {answers}", file=sys.stderr)
         for c in args.concurrency:
+            before = batch_counts(servers[0].url)
             n = args.requests or (150 if c == 1 else 300 if c < 32 else 600)
             # rounds alternate the targets, so load from other processes hits them alike
             acc: dict[str, tuple[list[float], float, int]] = {t[0]: ([], 0.0, 0) for t in targets}
@@ -250,9 +262,13 @@ def main(argv: list[str] | None = None) -> int:
                                                       args.warmup if rnd == 0 else 2))
                     prev = acc[name]
                     acc[name] = (prev[0] + lat, prev[1] + wall, prev[2] + err)
+            after = batch_counts(servers[0].url)
+            n_batches, n_inputs = after[0] - before[0], after[1] - before[1]
             for name, _, _ in targets:
                 res = summarise(*acc[name], c)
                 res["target"] = name
+                if name.startswith("ours"):  # both of our targets together, warm-up included
+                    res["our_mean_batch_size"] = n_inputs / max(n_batches, 1)
                 results.append(res)
                 print(f"  {name:24s} c={c:<3d} p50={res['p50_ms']:7.1f}ms "
                       f"p95={res['p95_ms']:7.1f}ms p99={res['p99_ms']:7.1f}ms "
@@ -264,12 +280,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- report ---------------------------------------------------------------------------------
     header = (f"{'target':24s} {'c':>3s} {'p50 ms':>8s} {'p95 ms':>8s} {'p99 ms':>8s} "
-              f"{'req/s':>8s} {'errors':>6s}")
+              f"{'req/s':>8s} {'errors':>6s} {'batch':>6s}")
     lines = [header, "-" * len(header)]
     for r in results:
         lines.append(f"{r['target']:24s} {r['concurrency']:>3d} {r['p50_ms']:8.1f} "
                      f"{r['p95_ms']:8.1f} {r['p99_ms']:8.1f} {r['req_per_s']:8.1f} "
-                     f"{r['errors']:>6d}")
+                     f"{r['errors']:>6d} "
+                     + (f"{r['our_mean_batch_size']:6.1f}" if "our_mean_batch_size" in r
+                        else f"{'-':>6s}"))
     overhead = []
     for c in args.concurrency:
         by = {r["target"]: r for r in results if r["concurrency"] == c}
