@@ -260,6 +260,8 @@ def train(
         log.info("resuming %s from %s (step %d)", run_name, path, ckpt["step"])
 
     dist = init_distributed(recipe.device)
+    if not dist.is_main:  # rank 0 alone reports
+        logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
     try:
         return _Run(recipe, dist, settings, data_dir, run_name, ckpt, tracking_uri, register,
                     mlflow_enabled, progress).run()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -70,8 +71,29 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+QUIET = {"LOG_LEVEL": "WARNING", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+         "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
+
+
+@pytest.fixture(scope="session")
+def mlflow_db(tmp_path_factory: pytest.TempPathFactory):
+    """``mlflow_db(folder) -> sqlite URI``: a fresh tracking database, copied from one
+    migrated once per session (creating MLflow's schema takes seconds)."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    template = tmp_path_factory.mktemp("mlflow-template") / "template.db"
+    SqlAlchemyStore(f"sqlite:///{template}", str(template.parent / "artifacts"))
+
+    def make(folder: Path) -> str:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(template, folder / "mlflow.db")
+        return f"sqlite:///{folder / 'mlflow.db'}"
+
+    return make
+
+
 @pytest.fixture
-def env(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+def env(tmp_path: Path, data_dir: Path, mlflow_db, monkeypatch: pytest.MonkeyPatch
         ) -> Iterator[dict[str, str]]:
     """A private home, cache and SQLite MLflow for one test (also set in os.environ)."""
     home = tmp_path / "home"
@@ -79,9 +101,8 @@ def env(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
         "VIT_SERVICE_HOME": str(home),
         "VIT_SERVICE_CACHE_DIR": str(data_dir.parent / "cache"),  # shared: decode once
         "VIT_SERVICE_DATA_DIR": str(data_dir),
-        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
-        "LOG_LEVEL": "WARNING",
-        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+        "MLFLOW_TRACKING_URI": mlflow_db(home),
+        **QUIET,
     }
     for k, v in values.items():
         monkeypatch.setenv(k, v)

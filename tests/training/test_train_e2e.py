@@ -19,6 +19,8 @@ from training.trainer import EXIT_SIGTERM, train
 from vit_service.config import Settings
 
 REPO = Path(__file__).resolve().parents[2]
+QUIET = {"LOG_LEVEL": "WARNING", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+         "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
 
 
 def _events(stdout: str) -> list[dict]:
@@ -43,12 +45,13 @@ def _artifacts(client, run_id: str, path: str = "") -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def image_run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path, run_cli) -> dict:
+def image_run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path, run_cli,
+              mlflow_db) -> dict:
     """`vit-service train cifar10-smoke` through the real CLI, once for this module."""
     home = tmp_path_factory.mktemp("image-home")
     env = {"VIT_SERVICE_HOME": str(home), "VIT_SERVICE_CACHE_DIR": str(data_dir.parent / "cache"),
-           "LOG_LEVEL": "WARNING", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
-    uri = f"sqlite:///{home / 'tracking.db'}"
+           **QUIET}
+    uri = mlflow_db(home)
     proc = run_cli(["train", "cifar10-smoke", "--data-dir", str(data_dir), "--tracking-uri", uri,
                     "--run-name", "smoke-1"], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -120,13 +123,12 @@ def test_worse_run_does_not_move_champion_and_evaluate(image_run: dict, data_dir
     assert rc == 2 and "'test' split is not present" in err
 
 
-def test_text_cli_run_end_to_end(tmp_path: Path, data_dir: Path, run_cli) -> None:
-    uri = f"sqlite:///{tmp_path / 'tracking.db'}"
-    env = {"VIT_SERVICE_HOME": str(tmp_path / "home"), "LOG_LEVEL": "WARNING",
-           "VIT_SERVICE_CACHE_DIR": str(data_dir.parent / "cache"),
-           "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
-    proc = run_cli(["train", "imdb-smoke", "--data-dir", str(data_dir), "--tracking-uri", uri,
-                    "--set", "epochs=3"], env)
+def test_text_cli_run_end_to_end(tmp_path: Path, data_dir: Path, run_cli, mlflow_db) -> None:
+    uri = mlflow_db(tmp_path)
+    env = {"VIT_SERVICE_HOME": str(tmp_path / "home"), **QUIET,
+           "VIT_SERVICE_CACHE_DIR": str(data_dir.parent / "cache")}
+    proc = run_cli(["train", "imdb-smoke", "--data-dir", str(data_dir), "--tracking-uri", uri],
+                   env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = _events(proc.stdout)
     assert events[-1]["status"] == "finished" and events[-1]["registered_version"] == "1"
@@ -184,11 +186,11 @@ def test_resume_equals_uninterrupted_run(env: dict, data_dir: Path) -> None:
     assert max(h.step for h in hist) == 24
 
 
-def test_sigterm_checkpoints_and_exits_143(tmp_path: Path, data_dir: Path) -> None:
+def test_sigterm_checkpoints_and_exits_143(tmp_path: Path, data_dir: Path, mlflow_db) -> None:
     home = tmp_path / "home"
-    env = {**os.environ, "VIT_SERVICE_HOME": str(home), "LOG_LEVEL": "WARNING",
+    env = {**os.environ, "VIT_SERVICE_HOME": str(home), **QUIET,
            "VIT_SERVICE_CACHE_DIR": str(data_dir.parent / "cache"),
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'tracking.db'}"}
+           "MLFLOW_TRACKING_URI": mlflow_db(tmp_path)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "vit_service.cli", "train", "cifar10-smoke", "--data-dir",
          str(data_dir), "--set", "epochs=500", "--run-name", "killed", "--no-register"],
