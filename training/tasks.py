@@ -346,5 +346,13 @@ class TextTask(Task):
 
 def build_task(recipe: Recipe, dist: DistInfo, data_dir: str | Path | None,
                cache_dir: str | Path | None = None) -> Task:
+    """The recipe's task. Under DDP rank 0 goes first (filling the decode/tokenisation caches)
+    while the other ranks wait, then read the caches."""
     cls = ImageTask if recipe.data.dataset == "cifar10" else TextTask
-    return cls(recipe, dist, data_dir, cache_dir)
+    if not dist.enabled:
+        return cls(recipe, dist, data_dir, cache_dir)
+    import torch.distributed as tdist
+
+    task = cls(recipe, dist, data_dir, cache_dir) if dist.is_main else None
+    tdist.barrier()
+    return task or cls(recipe, dist, data_dir, cache_dir)
