@@ -134,7 +134,10 @@ class JobManager:
                     self._tracked[job.id] = _Tracked(None, job.pid, job.pid_start,
                                                      cancel_at=None)
                 continue
-            self._finish_adopted(job, "the job's process was gone when the API server restarted")
+            # it may have finished while the server was down: take its progress from the log
+            self._read_progress(job.id, _Tracked(None, job.pid or 0, job.pid_start))
+            self._finish_adopted(self._get(job.id),
+                                 "the job's process was gone when the API server restarted")
 
     # --- API operations -------------------------------------------------------------------------
     def submit(self, recipe: str, overrides: dict[str, Any], name: str = "",

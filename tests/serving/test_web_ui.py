@@ -8,7 +8,6 @@ import io
 import json
 import os
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,6 +78,13 @@ def _wait(driver, cond, timeout: float = 60):
     return WebDriverWait(driver, timeout).until(cond)
 
 
+def _first_row(driver) -> str:
+    """Text of the jobs table's first row, read atomically (the table re-renders every 2 s, so
+    a located element can go stale between finding and reading it)."""
+    return driver.execute_script(
+        "const r = document.querySelector('#jobs tbody tr'); return r ? r.innerText : '';")
+
+
 def test_upload_an_image_shows_prediction_and_heatmap(server: Server, browser, tmp_path) -> None:
     rng = np.random.default_rng(0)
     img = Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8))
@@ -130,17 +136,12 @@ def test_launch_and_cancel_a_job(server: Server, browser) -> None:
     browser.find_element(By.ID, "job-name").send_keys("from-the-browser")
     browser.find_element(By.ID, "overrides").send_keys("epochs=400\nmodel.pos_encoding=learned")
     browser.find_element(By.ID, "launch").click()
-    row = "#jobs tbody tr"
-    _wait(browser, lambda d: "from-the-browser" in d.find_element(By.CSS_SELECTOR, row).text)
-    _wait(browser, lambda d: "step" in d.find_element(By.CSS_SELECTOR, row).text, timeout=120)
+    _wait(browser, lambda d: "from-the-browser" in _first_row(d))
+    _wait(browser, lambda d: "step" in _first_row(d), timeout=120)
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     browser.save_screenshot(str(SCREENSHOTS / "jobs.png"))
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # the table re-renders every 2 s: retry stale clicks
-        try:
-            browser.find_element(By.CSS_SELECTOR, f"{row} button.cancel").click()
-            break
-        except Exception:
-            time.sleep(0.3)
-    _wait(browser, lambda d: "cancelled" in d.find_element(By.CSS_SELECTOR, row).text,
-          timeout=90)
+    clicked = browser.execute_script(
+        "const b = document.querySelector('#jobs tbody tr button.cancel');"
+        "if (b) { b.click(); return true; } return false;")
+    assert clicked
+    _wait(browser, lambda d: "cancelled" in _first_row(d), timeout=90)

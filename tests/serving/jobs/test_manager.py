@@ -131,6 +131,15 @@ def test_restart_readopts_live_jobs_and_fails_dead_ones(settings: Settings) -> N
     _wait(mgr2, live.id, {JobState.succeeded})
     assert mgr2.get(live.id).progress["step"] == 60
 
+    # a job that finished while no server was watching is settled from its log, progress too
+    quick = mgr2.submit("fake", {"steps": 3})
+    _wait(mgr2, quick.id, {JobState.running})
+    mgr2._tracked[quick.id].proc.wait(20)  # the process ends; this "server" never looks again
+    mgr_late = _Manager(settings, validate=_validate)
+    mgr_late.recover()
+    settled = mgr_late.get(quick.id)
+    assert settled.state == JobState.succeeded and settled.progress["step"] == 3
+
     dead = mgr2.store.create(name="x", recipe="fake", overrides={}, nprocs=1,
                              runs_root=mgr2.runs_root)
     mgr2.store.update(dead.id, state=JobState.running, pid=999_999_9, pid_start="1")
