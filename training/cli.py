@@ -11,6 +11,9 @@ import sys
 from typing import Any
 
 EXIT_USAGE = 2
+# recipe keys that may change when resuming (they do not change what is computed)
+RESUME_KEYS = {"max_steps", "device", "threads", "log_every", "eval_batch_size",
+               "checkpoint_every"}
 
 
 def register(subparsers: Any) -> None:
@@ -83,10 +86,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             resume_overrides["max_steps"] = args.max_steps
         if args.device is not None:
             resume_overrides["device"] = args.device
-        if args.resume and overrides:
-            raise RecipeError("--resume continues the checkpoint's recipe; only --max-steps and "
-                              "--device may change", [(k, "not allowed") for k in overrides])
-        recipe = load_recipe(args.recipe, {**overrides, **resume_overrides})
+        if args.resume:
+            bad = [k for k in overrides if k not in RESUME_KEYS]
+            if bad:
+                raise RecipeError(
+                    "--resume continues the checkpoint's recipe; only execution settings may "
+                    f"change ({', '.join(sorted(RESUME_KEYS))})", [(k, "not allowed") for k in bad])
+            resume_overrides.update(overrides)
+        recipe = load_recipe(args.recipe, {} if args.resume else {**overrides,
+                                                                    **resume_overrides})
     except RecipeError as e:
         return _fail(str(e))
 

@@ -131,6 +131,9 @@ class Recipe(_Strict):
     log_every: int = Field(20, ge=1, description="steps between train metric logs")
     attention_samples: int = Field(8, ge=0, description="val examples in the attention sheet")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (CPU)")
+    checkpoint_every: int = Field(
+        1, ge=1, description="epochs between checkpoints (also written on stop, signal, end)"
+    )
     register_as: Literal["cifar10-vit", "imdb-sentiment"] | None = None
     experiment: str = Field(min_length=1)
 

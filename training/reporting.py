@@ -161,7 +161,7 @@ def image_attention_sheet(
     n = images.shape[0]
     cols = min(n, 4)
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, 2 * cols, figsize=(4.2 * cols, 2.3 * rows), dpi=110,
+    fig, axes = plt.subplots(rows, 2 * cols, figsize=(4.2 * cols, 2.5 * rows), dpi=110,
                              squeeze=False)
     for ax in axes.flat:
         ax.axis("off")

@@ -248,7 +248,8 @@ def train(
 ) -> TrainResult:
     """Train ``recipe`` end to end (see the module docstring). With ``resume`` (a checkpoint
     path, a run folder or ``auto``) the checkpoint's recipe is used, with ``resume_overrides``
-    (e.g. ``max_steps``, ``device``) applied."""
+    (execution settings: ``max_steps``, ``device``, ``threads``...) applied; a run stopped by
+    ``max_steps`` continues past it only with a new ``max_steps`` (``None``: to the end)."""
     settings = settings or get_settings()
     runs_dir = Path(settings.home) / "runs"
     ckpt: dict[str, Any] | None = None
@@ -484,7 +485,8 @@ class _Run:
                                 epoch_time_s=metrics["time/epoch_s"])
             log.info("epoch %d/%d step %d: val_loss %.4f val_acc %.4f (%.0fs)", self.epoch,
                      r.epochs, self.step, res.loss, res.acc, metrics["time/epoch_s"])
-            self._save("finished" if self.epoch >= r.epochs else "running", run_id)
+            if self.epoch % r.checkpoint_every == 0 or self.epoch >= r.epochs:
+                self._save("finished" if self.epoch >= r.epochs else "running", run_id)
             win.reset()  # keep evaluation and checkpointing out of the throughput window
         return "finished"
 

@@ -21,7 +21,8 @@ def test_every_shipped_recipe_validates_and_has_a_description() -> None:
         r = load_recipe(name)
         assert r.name == name and desc
         assert r.model.pos_encoding in ("learned", "sinusoidal", "none")
-        assert r.register_as in (None, "cifar10-vit", "imdb-sentiment")
+        if getattr(r, "objective", "classify") == "classify":  # pretraining registers others
+            assert r.register_as in (None, "cifar10-vit", "imdb-sentiment")
 
 
 def test_dotted_overrides_are_parsed_as_yaml_scalars_and_applied() -> None:

@@ -168,7 +168,7 @@ def test_resume_equals_uninterrupted_run(env: dict, data_dir: Path) -> None:
     assert (mid["step"], mid["epoch"], mid["batch_in_epoch"]) == (17, 1, 5)
 
     resumed = train(recipe, data_dir=data_dir, resume="auto", run_name="cut", settings=settings,
-                    resume_overrides={"max_steps": None}, register=False)
+                    resume_overrides={"max_steps": None}, register=False)  # to the end
     assert resumed.status == "finished" and resumed.step == 24
     assert resumed.mlflow_run_id == first.mlflow_run_id  # the same MLflow run continues
 
