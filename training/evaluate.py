@@ -54,6 +54,15 @@ class EvalResult:
         return "\n".join(lines)
 
 
+@dataclass
+class LossResult:
+    """Validation of a pretraining objective (mae / mlm): its loss, no accuracy."""
+
+    loss: float
+    n: int
+    acc: None = None
+
+
 @torch.no_grad()
 def evaluate_batches(
     model: nn.Module,
@@ -109,6 +118,10 @@ def evaluate_bundle(
     if split not in ("val", "test"):
         raise ValueError(f"split must be val or test, got {split!r}")
     b = load_bundle(_bundle_dir(model_ref), device=device)
+    if not b.meta.class_names:
+        raise ValueError(f"a pretrained encoder (objective "
+                         f"{(b.meta.extra or {}).get('objective', '?')}), not a classifier: "
+                         "fine-tune it first (init.from)")
     data = ((b.meta.extra or {}).get("recipe") or {}).get("data", {})
     source_split = "train" if split == "val" else "test"
     dev = torch.device(device)
@@ -125,8 +138,16 @@ def evaluate_bundle(
     if b.meta.task == "image":
         from vit_service.data import load_cifar10
 
-        ds = load_cifar10(data_dir, source_split, image_size=int(p["image_size"]),
-                          cache_dir=cache_dir)
+        if data.get("dataset") == "imagefolder":
+            from training.tasks import _load_image_folder
+
+            if split != "val":
+                raise ValueError("an ImageFolder run has no test split: evaluate with "
+                                 "--split val")
+            ds = _load_image_folder(data["path"], int(p["image_size"]), cache_dir)
+        else:
+            ds = load_cifar10(data_dir, source_split, image_size=int(p["image_size"]),
+                              cache_dir=cache_dir)
         rows = val_rows(ds.labels)
         mean, std = torch.tensor(p["mean"], device=dev), torch.tensor(p["std"], device=dev)
 

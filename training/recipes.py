@@ -1,9 +1,10 @@
 """Training recipes: YAML files validated by one pydantic schema.
 
-A recipe says everything a run needs (model preset and overrides, data, optimiser, augmentation,
-schedule, device, registration). ``load_recipe(name, overrides)`` is a pure function: read the
-YAML, apply dotted overrides (``optim.lr=1e-3``, ``model.pos_encoding=learned``), validate, and
-return a :class:`Recipe` or raise :class:`RecipeError` naming every bad key. The CLI and the jobs
+A recipe says everything a run needs (objective, model preset and overrides, initial weights,
+data, optimiser, augmentation, schedule, device, registration). ``load_recipe(name, overrides)``
+is a pure function: read the YAML, apply dotted overrides (``optim.lr=1e-3``,
+``model.pos_encoding=learned``), validate, and return a :class:`Recipe` or raise
+:class:`RecipeError` naming every bad key. The CLI and the jobs
 API both go through it.
 """
 
@@ -66,7 +67,10 @@ class ModelSpec(_Strict):
 
 
 class DataSpec(_Strict):
-    dataset: Literal["cifar10", "imdb"]
+    dataset: Literal["cifar10", "imagefolder", "imdb"]
+    path: str | None = Field(
+        None, description="imagefolder: the tree (or a tar of it) - `<class>/<image>` folders"
+    )
     val_size: int = Field(ge=1, description="held-out examples carved (stratified) from train")
     split_seed: int = Field(0, description="seed of the train/val split (keep fixed to compare)")
     subset: int | None = Field(None, ge=1, description="train on N (stratified) train rows")
@@ -74,11 +78,18 @@ class DataSpec(_Strict):
     vocab_size: int | None = Field(None, ge=64, description="text: subword vocabulary size")
     max_len: int | None = Field(None, ge=8, description="text: tokens per review incl. [CLS]")
     length_buckets: bool = Field(True, description="text: batch reviews of similar length")
+    include_unsup: bool = Field(
+        False, description="imdb + objective mlm: also pretrain on the 50,000 unlabelled reviews"
+    )
 
     @model_validator(mode="after")
     def _check_text_fields(self) -> DataSpec:
         if self.dataset == "imdb" and (self.vocab_size is None or self.max_len is None):
             raise ValueError("imdb needs data.vocab_size and data.max_len")
+        if (self.dataset == "imagefolder") != (self.path is not None):
+            raise ValueError("data.path is required for (and only for) dataset imagefolder")
+        if self.include_unsup and self.dataset != "imdb":
+            raise ValueError("data.include_unsup is for dataset imdb")
         return self
 
 
@@ -93,6 +104,10 @@ class OptimSpec(_Strict):
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     grad_clip: float | None = Field(None, gt=0, description="max global grad norm; null = off")
     ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of weights; null = off")
+    layer_decay: float | None = Field(
+        None, gt=0, le=1, description="layer-wise lr decay: block i of L gets lr * "
+        "decay^(L - i), embeddings decay^(L + 1), head/norm lr; null = off"
+    )
 
     @model_validator(mode="after")
     def _one_warmup(self) -> OptimSpec:
@@ -111,10 +126,98 @@ class AugmentSpec(_Strict):
     randaugment_magnitude: int = Field(9, ge=0, le=30)
 
 
+class InitSpec(_Strict):
+    """Where the weights come from before training (all null: from scratch)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    from_: str | None = Field(
+        None, alias="from", description="runs:/<run id>, a bare run id, models:/name@alias, "
+        "models:/name/<version>, a checkpoint file (.pt) or a bundle folder/its weights.pt"
+    )
+    timm: str | None = Field(None, description="timm model name whose weights to load (ViT)")
+    timm_file: str | None = Field(
+        None, description="local weights file for init.timm (offline); null = the hub"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> InitSpec:
+        if self.from_ is not None and self.timm is not None:
+            raise ValueError("set init.from or init.timm, not both")
+        if self.timm_file is not None and self.timm is None:
+            raise ValueError("init.timm_file needs init.timm (the model name)")
+        if self.from_ is not None:
+            check_init_source(self.from_)
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.from_ is not None or self.timm is not None
+
+
+def check_init_source(spec: str) -> None:
+    """Syntax of ``init.from`` (existence is checked when the run starts)."""
+    s = spec.strip()
+    if not s:
+        raise ValueError("init.from is empty")
+    if s.startswith("models:/"):
+        body = s.removeprefix("models:/")
+        name, sep, rest = body.partition("@") if "@" in body else body.partition("/")
+        if not name or not sep or not rest or "/" in rest:
+            raise ValueError(f"init.from {s!r}: expected models:/<name>@<alias> or "
+                             "models:/<name>/<version>")
+    elif s.startswith("runs:/"):
+        if not s.removeprefix("runs:/").split("/", 1)[0]:
+            raise ValueError(f"init.from {s!r}: expected runs:/<run id>[/model]")
+    elif "://" in s:
+        raise ValueError(f"init.from {s!r}: only runs:/, models:/, run ids and local paths")
+
+
+class MAESpec(_Strict):
+    """Masked-autoencoder pretraining (objective ``mae``)."""
+
+    mask_ratio: float = Field(0.75, gt=0, lt=1, description="fraction of patches hidden")
+    decoder_dim: int = Field(128, ge=8, description="decoder width (divisible by 4 and heads)")
+    decoder_depth: int = Field(2, ge=1)
+    decoder_heads: int = Field(4, ge=1)
+    norm_pix_loss: bool = Field(True, description="per-patch normalised pixel targets")
+    samples: int = Field(8, ge=0, description="val images in the reconstruction picture")
+
+    @model_validator(mode="after")
+    def _check(self) -> MAESpec:
+        if self.decoder_dim % 4 or self.decoder_dim % self.decoder_heads:
+            raise ValueError("mae.decoder_dim must divide by 4 and by mae.decoder_heads")
+        return self
+
+
+class MLMSpec(_Strict):
+    """Masked-language-model pretraining (objective ``mlm``)."""
+
+    mask_prob: float = Field(0.15, gt=0, lt=1, description="fraction of real tokens predicted")
+    replace_mask: float = Field(0.8, ge=0, le=1, description="of those: replaced by [MASK]")
+    replace_random: float = Field(0.1, ge=0, le=1, description="of those: a random token")
+
+    @model_validator(mode="after")
+    def _check(self) -> MLMSpec:
+        if self.replace_mask + self.replace_random > 1:
+            raise ValueError("mlm.replace_mask + mlm.replace_random must be <= 1")
+        return self
+
+
+PRETRAIN_REGISTRY = {"mae": "cifar10-mae", "mlm": "imdb-mlm"}
+
+
 class Recipe(_Strict):
     name: str = Field(description="recipe name (file stem)")
     description: str = ""
+    objective: Literal["classify", "mae", "mlm"] = Field(
+        "classify", description="classify (labels), mae (masked images), mlm (masked tokens)"
+    )
     model: ModelSpec
+    init: InitSpec = Field(default_factory=InitSpec)
+    freeze_encoder: bool = Field(False, description="linear probe: only the head trains")
+    mae: MAESpec | None = Field(None, description="objective mae only")
+    mlm: MLMSpec | None = Field(None, description="objective mlm only")
     data: DataSpec
     optim: OptimSpec
     augment: AugmentSpec = Field(default_factory=AugmentSpec)
@@ -134,25 +237,75 @@ class Recipe(_Strict):
     checkpoint_every: int = Field(
         1, ge=1, description="epochs between checkpoints (also written on stop, signal, end)"
     )
-    register_as: Literal["cifar10-vit", "imdb-sentiment"] | None = None
+    register_as: Literal["cifar10-vit", "imdb-sentiment", "cifar10-mae", "imdb-mlm"] | None = None
     experiment: str = Field(min_length=1)
 
     @property
     def task(self) -> Literal["image", "text"]:
-        return "image" if self.data.dataset == "cifar10" else "text"
+        return "text" if self.data.dataset == "imdb" else "image"
+
+    @property
+    def pretraining(self) -> bool:
+        return self.objective != "classify"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_objective_section(cls, data: Any) -> Any:
+        """``objective: mae`` without a ``mae:`` table gets the defaults (same for mlm)."""
+        if isinstance(data, dict) and data.get("objective") in ("mae", "mlm"):
+            key = data["objective"]
+            if data.get(key) is None:
+                data = {**data, key: {}}
+        return data
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Recipe:
         is_vit = self.model.name in list_models("vit")
-        if is_vit != (self.data.dataset == "cifar10"):
+        if is_vit != (self.task == "image"):
             raise ValueError(f"model {self.model.name!r} does not fit dataset {self.data.dataset}")
-        expected = {"cifar10": "cifar10-vit", "imdb": "imdb-sentiment"}[self.data.dataset]
+        obj = self.objective
+        if obj == "mae" and self.task != "image":
+            raise ValueError("objective mae needs a ViT and an image dataset")
+        if obj == "mlm" and self.data.dataset != "imdb":
+            raise ValueError("objective mlm needs a text model and dataset imdb")
+        for key in ("mae", "mlm"):
+            if getattr(self, key) is not None and obj != key:
+                raise ValueError(f"the {key}: section is only for objective {key}")
+        if self.data.include_unsup and obj != "mlm":
+            raise ValueError("data.include_unsup needs objective mlm (unsup reviews have no "
+                             "labels)")
+        if self.pretraining:
+            a = self.augment
+            if a.cutmix_prob or a.mixup_alpha or self.optim.label_smoothing:
+                raise ValueError(f"objective {obj} has no labels: set augment.cutmix_prob, "
+                                 "augment.mixup_alpha and optim.label_smoothing to 0")
+            if self.freeze_encoder:
+                raise ValueError("freeze_encoder is for objective classify (a linear probe)")
+            if self.init.timm is not None:
+                raise ValueError("init.timm is for objective classify")
+        if self.init.timm is not None and not is_vit:
+            raise ValueError("init.timm loads ViT weights: use a ViT model")
+        if obj == "mae" and self.mae is not None:
+            cfg = get_config(self.model.name, pos_encoding=self.model.pos_encoding,
+                             **self.model.overrides)
+            n = cfg.num_patches  # type: ignore[union-attr]
+            if not 0 < round(n * (1 - self.mae.mask_ratio)) < n:
+                raise ValueError(f"mae.mask_ratio {self.mae.mask_ratio} leaves no visible or "
+                                 f"no masked patch of {n}")
+        if obj == "classify":
+            expected = {"cifar10": "cifar10-vit", "imdb": "imdb-sentiment"}.get(
+                self.data.dataset)
+        else:
+            expected = PRETRAIN_REGISTRY[obj] if self.data.dataset != "imagefolder" else None
         if self.register_as not in (None, expected):
-            raise ValueError(f"register_as must be {expected!r} or null for {self.data.dataset}")
+            raise ValueError(f"register_as must be {expected!r} or null for objective {obj} "
+                             f"on {self.data.dataset}" if expected else
+                             f"register_as must be null for objective {obj} on "
+                             f"{self.data.dataset} (fine-tune from its run: runs:/<id>)")
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        return self.model_dump(mode="json", by_alias=True)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -243,6 +396,8 @@ def validate_recipe(raw: Mapping[str, Any]) -> Recipe:
                 msg = "unknown key"
             elif err["type"] == "missing":
                 msg = "required key is missing"
+            elif isinstance(err.get("input"), dict):  # a table-level check: no dump
+                msg = str(err["msg"]).removeprefix("Value error, ")
             else:
                 msg = f"{err['msg']} (got {err.get('input')!r})"
             errors.append((key, msg))

@@ -3,12 +3,17 @@
 Layout of a run (experiment = ``recipe.experiment``, e.g. ``cifar10`` or ``imdb``)::
 
     params     recipe.<dotted key>, model.<config field>, data.n_train, data.n_val, ...
-    tags       vit_service.recipe, vit_service.task, vit_service.run_dir, lineage.*
+    tags       vit_service.recipe, vit_service.task, vit_service.objective,
+               vit_service.run_dir, lineage.*, and where the initial weights came from:
+               vit_service.init_kind|init_source|parent_run_id|parent_model|parent_recipe
     metrics    train/loss, train/acc, train/lr, train/throughput, train/data_time_frac,
                train/grad_norm (every log_every steps); val/loss, val/acc, val_acc, epoch
-               (every epoch); val/class_acc/<class> (end)
+               (every epoch); val/class_acc/<class> (end). Pretraining (mae, mlm): train/loss,
+               val/loss, val_loss only
     artifacts  recipe.yaml, confusion_matrix.png, per_class.json,
-               attention/attention_rollout.{png,html}, model/ (the bundle as a pyfunc model)
+               attention/attention_rollout.{png,html}, model/ (the bundle as a pyfunc model);
+               mae: reconstructions/mae_reconstructions.png; fine-tuning:
+               lineage/init.json, lineage/parent_recipe.yaml
 """
 
 from __future__ import annotations
@@ -90,14 +95,27 @@ class MlflowRun:
                              "per_class.json")
         self.log_metrics({f"val/class_acc/{r['class']}": r["recall"] for r in per_class}, step)
 
-    def register(self, bundle_dir: Path, task: str, name: str | None) -> str | None:
-        """Log the bundle as the run's model; register and maybe promote it."""
+    def register(self, bundle_dir: Path, task: str, name: str | None,
+                 promote: bool = True) -> str | None:
+        """Log the bundle as the run's model; register and (``promote``) maybe move the
+        champion alias. Pretrained encoders are registered without a champion: fine-tuning
+        takes ``@latest`` or an explicit version."""
         version = self.tracking.log_bundle(bundle_dir, task, registered_name=name)
         if name and version:
-            promoted = self.tracking.promote_champion(name, version)
+            promoted = promote and self.tracking.promote_champion(name, version)
             self.mlflow.set_tag("vit_service.champion", str(promoted).lower())
+            self.mlflow.set_tag("vit_service.registered", f"{name}/{version}")
             log.info("registered %s v%s%s", name, version, " (champion)" if promoted else "")
         return version
+
+    def log_lineage(self, lineage: dict[str, Any], parent_recipe: dict[str, Any] | None) -> None:
+        """Where the initial weights came from, as artifacts next to the tags."""
+        import yaml
+
+        self.mlflow.log_dict(lineage, "lineage/init.json")
+        if parent_recipe:
+            self.mlflow.log_text(yaml.safe_dump(parent_recipe, sort_keys=False),
+                                 "lineage/parent_recipe.yaml")
 
     def end(self, status: str = "FINISHED") -> None:
         if self.mlflow.active_run() is not None:
@@ -176,6 +194,42 @@ def image_attention_sheet(
         axes[r, 2 * c + 1].set_title(f"pred: {class_names[pred]} ({float(probs[i, pred]):.2f})",
                                      fontsize=8, color="green" if pred == labels[i] else "red")
     fig.suptitle("[CLS] attention rollout (mean over heads, residual added)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def mae_reconstruction_sheet(
+    images: np.ndarray,
+    masked: np.ndarray,
+    recon: np.ndarray,
+    loss: float,
+    mask_ratio: float,
+    path: Path,
+) -> Path:
+    """Per image (uint8 ``(n, H, W, 3)`` each): the original, what the encoder saw (hidden
+    patches grey) and the reconstruction (predicted hidden patches + the visible ones)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = images.shape[0]
+    cols = min(n, 4)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, 3 * cols, figsize=(1.5 * 3 * cols, 1.9 * rows), dpi=110,
+                             squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for i in range(n):
+        r, c = divmod(i, cols)
+        for j, (img, title) in enumerate(((images[i], "original"), (masked[i], "input"),
+                                          (recon[i], "reconstruction"))):
+            axes[r, 3 * c + j].imshow(img, interpolation="nearest")
+            axes[r, 3 * c + j].set_title(title, fontsize=7)
+    fig.suptitle(f"MAE on validation images: {mask_ratio:.0%} of patches hidden, "
+                 f"loss {loss:.4f} (hidden patches only)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

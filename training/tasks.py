@@ -3,7 +3,8 @@
 Both keep the whole (train, val) data as tensors on the training device (uint8 images
 ``(N, 3, H, W)`` or int32 token ids ``(N, max_len)``), cut batches by indexing with a per-epoch
 permutation, and augment on the device. The trainer only sees :class:`Batch` objects and calls
-``task.forward(model, batch)``.
+``task.forward(model, batch)`` (classification) or ``task.pretrain_loss(model, batch)`` (the
+``mae`` and ``mlm`` objectives, whose models return their own loss).
 
 Batches: every rank draws the same permutation of the train part for an epoch (seeded by the
 recipe seed and the epoch number, independent of any other RNG), splits it into
@@ -28,16 +29,24 @@ from torch import Tensor, nn
 
 from training.augment import CutMix, ImageAugment, normalize, smooth_one_hot
 from training.distributed import DistInfo
+from training.evaluate import LossResult
 from training.recipes import Recipe
 from vit_service.bundle import CIFAR10_MEAN, CIFAR10_STD
-from vit_service.data import ImageDataset, load_cifar10, load_imdb, stratified_split
+from vit_service.data import (
+    ImageDataset,
+    load_cifar10,
+    load_image_folder,
+    load_imdb,
+    stratified_split,
+)
 from vit_service.data import cache as data_cache
 from vit_service.data.tokenizer import TextTokenizer
-from vit_service.models import create_model
+from vit_service.models import ModelConfig, build_model, get_config
 
 log = logging.getLogger(__name__)
 
 TOKENIZED_VERSION = "1"
+VAL_MASK_SEED = 20_240_501  # val masks (MAE patches, MLM tokens) are the same every epoch
 
 
 @dataclass
@@ -78,6 +87,7 @@ class Task:
 
     def __init__(self, recipe: Recipe, dist: DistInfo) -> None:
         self.recipe, self.dist, self.device = recipe, dist, dist.device
+        self.objective = recipe.objective
 
     @property
     def num_classes(self) -> int:
@@ -116,13 +126,64 @@ class Task:
     def forward(self, model: nn.Module, batch: Batch) -> Tensor:
         return model(*batch.inputs)
 
-    def build_model(self) -> nn.Module:
+    def encoder_config(self, num_classes: int) -> ModelConfig:
         m = self.recipe.model
-        return create_model(m.name, pos_encoding=m.pos_encoding, num_classes=self.num_classes,
-                            **self.model_fields(), **m.overrides)
+        return get_config(m.name, pos_encoding=m.pos_encoding, num_classes=num_classes,
+                          **self.model_fields(), **m.overrides)
+
+    def build_model(self) -> nn.Module:
+        """The classifier, or for ``mae`` / ``mlm`` the pretraining model around a headless
+        encoder (``model.encoder``)."""
+        r = self.recipe
+        if r.objective == "mae":
+            from vit_service.models.mae import MAE, MAEConfig
+
+            assert r.mae is not None
+            a, vit = r.mae, self.encoder_config(0)
+            return MAE(MAEConfig(encoder=vit, mask_ratio=a.mask_ratio,  # type: ignore[arg-type]
+                                 decoder_dim=a.decoder_dim, decoder_depth=a.decoder_depth,
+                                 decoder_heads=a.decoder_heads, norm_pix_loss=a.norm_pix_loss))
+        if r.objective == "mlm":
+            from vit_service.models.mlm import MLM, MLMConfig
+
+            assert r.mlm is not None
+            b, text = r.mlm, self.encoder_config(0)
+            return MLM(MLMConfig(encoder=text, mask_prob=b.mask_prob,  # type: ignore[arg-type]
+                                 replace_mask=b.replace_mask, replace_random=b.replace_random))
+        return build_model(self.encoder_config(self.num_classes))
 
     def model_fields(self) -> dict[str, Any]:
         return {}
+
+    # pretraining objectives (mae / mlm)
+    def pretrain_loss(self, model: nn.Module, batch: Batch,
+                      generator: torch.Generator | None = None) -> Tensor:
+        """The pretraining model's own loss on ``batch`` (scalar)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def pretrain_eval(self, model: nn.Module, batch_size: int,
+                      reduce: Any = None) -> LossResult:
+        """Mean pretraining loss over the validation part, with fixed masks (same every
+        epoch) so epochs compare; ``reduce`` sums ``(loss * n, n)`` across DDP ranks."""
+        was_training = model.training
+        model.eval()
+        g = torch.Generator(device=self.device).manual_seed(VAL_MASK_SEED + self.dist.rank)
+        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for batch in self.val_batches(batch_size):
+            loss = self.pretrain_loss(model, batch, g)
+            n = batch.labels.shape[0]
+            stats[0] += loss.double() * n
+            stats[1] += n
+        if reduce is not None:
+            stats = reduce(stats)
+        model.train(was_training)
+        n = max(1, int(stats[1]))
+        return LossResult(loss=float(stats[0]) / n, n=n)
+
+    def pretrain_report(self, model: nn.Module, out_dir: Path, n: int) -> Path | None:
+        """A picture of what the pretraining model does on ``n`` validation examples."""
+        return None
 
     def bundle_preprocess(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -147,8 +208,13 @@ class ImageTask(Task):
                  ) -> None:
         super().__init__(recipe, dist)
         d = recipe.data
-        ds = dataset or load_cifar10(data_dir, "train", image_size=d.image_size,
-                                     cache_dir=cache_dir)
+        if dataset is not None:
+            ds = dataset
+        elif d.dataset == "imagefolder":
+            assert d.path is not None
+            ds = _load_image_folder(d.path, d.image_size, cache_dir)
+        else:
+            ds = load_cifar10(data_dir, "train", image_size=d.image_size, cache_dir=cache_dir)
         self.class_names = list(ds.class_names)
         train_idx, val_idx = split_indices(ds.labels, d.val_size, d.split_seed, d.subset)
         self.n_train, self.n_val = len(train_idx), len(val_idx)
@@ -164,14 +230,49 @@ class ImageTask(Task):
                                     a.randaugment_ops, a.randaugment_magnitude, self.device)
         self.mix = CutMix(a.cutmix_alpha, a.cutmix_prob, self.num_classes, o.label_smoothing,
                           a.mixup_alpha)
-        log.info("cifar10: %d train / %d val images (%s), resident on %s", self.n_train,
-                 self.n_val, ds.source, self.device)
+        log.info("%s: %d train / %d val images, %d classes (%s), resident on %s", d.dataset,
+                 self.n_train, self.n_val, self.num_classes, ds.source, self.device)
 
     def train_batch(self, epoch: int, index: int) -> Batch:
         idx = self._rank_slice(self._global_batches(epoch)[index]).to(self.device)
         x = self.augment(self.train_x[idx], train=True)  # (B, 3, H, W) float
+        if self.objective == "mae":  # no labels: no CutMix/Mixup
+            return Batch((x,), self.train_y[idx], n_items=int(idx.numel()))
         x, targets = self.mix(x, self.train_y[idx])
         return Batch((x,), self.train_y[idx], targets, n_items=int(idx.numel()))
+
+    def pretrain_loss(self, model: nn.Module, batch: Batch,
+                      generator: torch.Generator | None = None) -> Tensor:
+        loss, _, _ = model(*batch.inputs, generator=generator)  # MAE: (loss, pred, mask)
+        return loss
+
+    @torch.no_grad()
+    def pretrain_report(self, model: nn.Module, out_dir: Path, n: int) -> Path | None:
+        """MAE: original / masked input / reconstruction of ``n`` validation images (PNG)."""
+        from training.reporting import mae_reconstruction_sheet
+
+        if self.objective != "mae" or n <= 0:
+            return None
+        was_training = model.training
+        model.eval()
+        rows = torch.linspace(0, self.n_val - 1, min(n, self.n_val)).long().to(self.device)
+        raw = self.val_x[rows]  # (n, 3, H, W) uint8
+        x = normalize(raw, self.augment.mean, self.augment.std)
+        g = torch.Generator(device=self.device).manual_seed(VAL_MASK_SEED)
+        loss, pred, mask = model(x, generator=g)  # pred (n, N, p*p*3), mask (n, N) 1 = hidden
+        rec = model.reconstruct(x, pred, mask)  # (n, 3, H, W) normalised, visible pasted
+        model.train(was_training)
+        mean = self.augment.mean.view(1, 3, 1, 1)
+        std = self.augment.std.view(1, 3, 1, 1)
+        rec_u8 = ((rec * std + mean) * 255).clamp(0, 255).round().to(torch.uint8)
+        p = model.config.encoder.patch_size
+        pix_mask = mask.view(-1, 1, *model.config.encoder.grid_size)  # (n, 1, Gh, Gw)
+        pix_mask = pix_mask.repeat_interleave(p, 2).repeat_interleave(p, 3).bool()
+        masked = torch.where(pix_mask, torch.full_like(raw, 127), raw)  # grey hidden patches
+        to_np = lambda t: t.permute(0, 2, 3, 1).cpu().numpy()  # noqa: E731 (n, H, W, 3)
+        return mae_reconstruction_sheet(to_np(raw), to_np(masked), to_np(rec_u8),
+                                        float(loss), model.config.mask_ratio,
+                                        out_dir / "mae_reconstructions.png")
 
     def val_batches(self, batch_size: int, all_ranks: bool = False) -> Iterator[Batch]:
         rows = np.arange(self.n_val) if all_ranks else self._val_shard()
@@ -215,7 +316,12 @@ class TextTask(Task):
     kind, unit = "text", "tok"
 
     def __init__(self, recipe: Recipe, dist: DistInfo, data_dir: str | Path | None,
-                 cache_dir: str | Path | None = None) -> None:
+                 cache_dir: str | Path | None = None, tokenizer: TextTokenizer | None = None
+                 ) -> None:
+        """``tokenizer``: use this vocabulary (a pretrained encoder's) instead of training one
+        on the train part. With ``data.include_unsup`` (objective mlm) the 50,000 unlabelled
+        reviews join the train part (label -1); validation stays the labelled held-out part
+        and the test split is never read."""
         super().__init__(recipe, dist)
         d = recipe.data
         assert d.vocab_size is not None and d.max_len is not None
@@ -224,27 +330,42 @@ class TextTask(Task):
         self.class_names = list(ds.class_names)
         labels = np.asarray(ds.labels)
         train_idx, val_idx = split_indices(labels, d.val_size, d.split_seed, d.subset)
-        self.n_train, self.n_val = len(train_idx), len(val_idx)
         self.val_texts = [ds.texts[i] for i in val_idx]
+        train_labels = labels[train_idx]
+        unsup_texts: list[str] = []
+        if d.include_unsup:
+            unsup = load_imdb(data_dir, "unsup", cache_dir=cache_dir)
+            unsup_texts = list(unsup.texts)
+            train_labels = np.concatenate([train_labels, np.full(len(unsup), -1, np.int64)])
+        self.n_train, self.n_val = len(train_labels), len(val_idx)
         params = {"n": len(ds), "val_size": d.val_size, "split_seed": d.split_seed,
                   "subset": d.subset, "vocab_size": d.vocab_size, "max_len": d.max_len,
                   "labels": hashlib.sha1(labels.tobytes()).hexdigest()}
+        if d.include_unsup:
+            params["unsup"] = len(unsup_texts)
+        if tokenizer is not None:
+            params["tokenizer"] = hashlib.sha1(tokenizer.to_str().encode()).hexdigest()
         cdir = _tokenized_cache_dir(cache_dir, ds.source, params)
         arrays = data_cache.load_npz(cdir / "arrays.npz")
         if arrays is not None and (cdir / "tokenizer.json").is_file():
-            self._tokenizer = TextTokenizer.load(cdir / "tokenizer.json")
+            self._tokenizer = tokenizer or TextTokenizer.load(cdir / "tokenizer.json")
             log.info("imdb: tokenized arrays from cache %s", cdir)
         else:
             t0 = time.perf_counter()
-            train_texts = [ds.texts[i] for i in train_idx]
-            self._tokenizer = TextTokenizer.train(train_texts, vocab_size=d.vocab_size)
+            train_texts = [ds.texts[i] for i in train_idx] + unsup_texts
+            if tokenizer is not None:
+                self._tokenizer = tokenizer
+                log.info("imdb: using the given tokenizer (vocab %d)", tokenizer.vocab_size)
+            else:
+                self._tokenizer = TextTokenizer.train(train_texts, vocab_size=d.vocab_size)
             t1 = time.perf_counter()
             tr_ids, tr_len = self._tokenizer.encode_to_arrays(train_texts, d.max_len)
             va_ids, va_len = self._tokenizer.encode_to_arrays(self.val_texts, d.max_len)
             arrays = {"train_ids": tr_ids, "train_len": tr_len, "val_ids": va_ids,
                       "val_len": va_len}
-            log.info("imdb: tokenizer (vocab %d) trained in %.1fs, %d reviews encoded in %.1fs",
-                     self._tokenizer.vocab_size, t1 - t0, len(ds), time.perf_counter() - t1)
+            log.info("imdb: tokenizer (vocab %d) ready in %.1fs, %d reviews encoded in %.1fs",
+                     self._tokenizer.vocab_size, t1 - t0, len(train_texts) + len(val_idx),
+                     time.perf_counter() - t1)
             if dist.is_main:
                 cdir.mkdir(parents=True, exist_ok=True)
                 self._tokenizer.save(cdir / "tokenizer.json")
@@ -252,14 +373,14 @@ class TextTask(Task):
                 data_cache.save_json(cdir / "params.json", params)
         self.train_ids = torch.from_numpy(arrays["train_ids"]).to(self.device)  # (N, L) int32
         self.train_len = torch.from_numpy(arrays["train_len"])  # (N,) on CPU: trims batches
-        self.train_y = torch.from_numpy(labels[train_idx]).to(self.device)
+        self.train_y = torch.from_numpy(train_labels).to(self.device)  # -1: unlabelled
         self.val_ids = torch.from_numpy(arrays["val_ids"]).to(self.device)
         self.val_len = torch.from_numpy(arrays["val_len"])
         self.val_y = torch.from_numpy(labels[val_idx]).to(self.device)
         trunc = float((self.train_len >= d.max_len).float().mean())
-        log.info("imdb: %d train / %d val reviews, max_len %d (%.0f%% truncated), mean %.0f "
-                 "tokens", self.n_train, self.n_val, d.max_len, 100 * trunc,
-                 float(self.train_len.float().mean()))
+        log.info("imdb: %d train (%d unlabelled) / %d val reviews, max_len %d (%.0f%% "
+                 "truncated), mean %.0f tokens", self.n_train, len(unsup_texts), self.n_val,
+                 d.max_len, 100 * trunc, float(self.train_len.float().mean()))
 
     @property
     def tokenizer(self) -> TextTokenizer:
@@ -296,9 +417,32 @@ class TextTask(Task):
         idx = self._rank_slice(self._global_batches(epoch)[index])
         dev_idx = idx.to(self.device)
         b = self._make_batch(self.train_ids[dev_idx], self.train_len[idx], self.train_y[dev_idx])
+        if self.objective == "mlm":
+            return self._mlm_batch(b)
         b.targets = smooth_one_hot(b.labels, self.num_classes,
                                    self.recipe.optim.label_smoothing)
         return b
+
+    def _mlm_batch(self, b: Batch, generator: torch.Generator | None = None) -> Batch:
+        """Inputs ``(masked ids, attention mask, MLM labels)`` per the 80/10/10 rule."""
+        from vit_service.data.tokenizer import SPECIAL_TOKENS
+        from vit_service.models.mlm import mlm_mask
+
+        assert self.recipe.mlm is not None
+        ids, attn = b.inputs
+        m = self.recipe.mlm
+        inputs, mlm_labels = mlm_mask(
+            ids, attn, mask_id=self._tokenizer.mask_id, vocab_size=self._tokenizer.vocab_size,
+            special_ids=tuple(range(len(SPECIAL_TOKENS))), mask_prob=m.mask_prob,
+            replace_mask=m.replace_mask, replace_random=m.replace_random, generator=generator)
+        return Batch((inputs, attn, mlm_labels), b.labels, n_items=b.n_items)
+
+    def pretrain_loss(self, model: nn.Module, batch: Batch,
+                      generator: torch.Generator | None = None) -> Tensor:
+        if len(batch.inputs) == 2:  # a validation batch: mask it here (fixed generator)
+            batch = self._mlm_batch(batch, generator)
+        loss, _ = model(*batch.inputs)  # MLM: (loss, logits of the selected tokens)
+        return loss
 
     def val_batches(self, batch_size: int, all_ranks: bool = False) -> Iterator[Batch]:
         rows = np.arange(self.n_val) if all_ranks else self._val_shard()
@@ -344,15 +488,33 @@ class TextTask(Task):
         return path
 
 
+def _load_image_folder(path: str, image_size: int, cache_dir: str | Path | None
+                       ) -> ImageDataset:
+    """``data.path``: an ImageFolder tree or a tar of one; with several roots, its ``train``."""
+    try:
+        return load_image_folder(path, None, image_size=image_size, cache_dir=cache_dir)
+    except ValueError as e:
+        if "several ImageFolder roots" not in str(e):
+            raise
+        return load_image_folder(path, "train", image_size=image_size, cache_dir=cache_dir)
+
+
 def build_task(recipe: Recipe, dist: DistInfo, data_dir: str | Path | None,
-               cache_dir: str | Path | None = None) -> Task:
-    """The recipe's task. Under DDP rank 0 goes first (filling the decode/tokenisation caches)
-    while the other ranks wait, then read the caches."""
-    cls = ImageTask if recipe.data.dataset == "cifar10" else TextTask
+               cache_dir: str | Path | None = None, tokenizer: TextTokenizer | None = None
+               ) -> Task:
+    """The recipe's task (``tokenizer``: text only, a pretrained encoder's vocabulary). Under
+    DDP rank 0 goes first (filling the decode/tokenisation caches) while the other ranks wait,
+    then read the caches."""
+
+    def make() -> Task:
+        if recipe.task == "image":
+            return ImageTask(recipe, dist, data_dir, cache_dir)
+        return TextTask(recipe, dist, data_dir, cache_dir, tokenizer=tokenizer)
+
     if not dist.enabled:
-        return cls(recipe, dist, data_dir, cache_dir)
+        return make()
     import torch.distributed as tdist
 
-    task = cls(recipe, dist, data_dir, cache_dir) if dist.is_main else None
+    task = make() if dist.is_main else None
     tdist.barrier()
-    return task or cls(recipe, dist, data_dir, cache_dir)
+    return task or make()

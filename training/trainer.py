@@ -1,10 +1,15 @@
 """The training loop shared by the image and text tasks.
 
-``train(recipe, ...)`` builds the task (data on the device), the model, AdamW with weight-decay
-groups, a per-step cosine schedule with linear warm-up, optional EMA; runs epochs of steps with
-soft-target cross-entropy (label smoothing, CutMix/Mixup), gradient clipping, bf16 autocast and
+``train(recipe, ...)`` builds the task (data on the device), the model (from scratch, or with a
+pretrained encoder: ``recipe.init``, see :mod:`training.init`), AdamW with weight-decay groups
+(optionally layer-wise lr decay, or only the head for a frozen-encoder linear probe), a per-step
+cosine schedule with linear warm-up, optional EMA; runs epochs of steps with soft-target
+cross-entropy (label smoothing, CutMix/Mixup) - or, for the ``mae`` / ``mlm`` pretraining
+objectives, the model's own masked-reconstruction loss - gradient clipping, bf16 autocast and
 ``torch.compile`` on CUDA; evaluates every epoch; checkpoints atomically; logs to MLflow; and at
 the end writes the model bundle, registers it and moves the ``champion`` alias if it is better.
+A pretraining run's bundle holds its encoder only (headless ViT / text encoder, its config and,
+for text, the tokenizer): what fine-tuning starts from.
 
 Stopping: ``max_steps`` (status ``stopped``; the model is still evaluated and registered),
 SIGTERM (status ``interrupted``: checkpoint at the end of the current step, MLflow run marked
@@ -42,11 +47,22 @@ from training.distributed import (
     gather_objects,
     init_distributed,
 )
-from training.evaluate import EvalResult, evaluate_batches
+from training.evaluate import EvalResult, LossResult, evaluate_batches
+from training.init import (
+    InitError,
+    InitSource,
+    Lineage,
+    build_timm_model,
+    check_split,
+    encoder_of,
+    load_encoder,
+    resolve_init,
+)
 from training.progress import Progress
 from training.recipes import Recipe, apply_overrides, validate_recipe
 from training.tasks import Batch, Task, build_task
 from vit_service.config import Settings, get_settings
+from vit_service.data.tokenizer import TextTokenizer
 from vit_service.models import config_to_dict, count_parameters
 
 log = logging.getLogger(__name__)
@@ -57,20 +73,60 @@ EXIT_SIGTERM, EXIT_SIGINT = 143, 130
 # ----------------------------------------------------------------------------- optimisation
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two AdamW groups: decayed (weight matrices) and not decayed (norms, biases, and the
-    names in ``model.no_weight_decay()`` such as ``cls_token``, ``pos_embed``)."""
+EMBEDDING_PARAMS = ("patch_embed.", "cls_token", "pos_embed", "tok_embed.")
+
+
+def layer_id(name: str, num_layers: int) -> int:
+    """Depth of a parameter for layer-wise lr decay: embeddings 0, ``blocks.i`` i + 1, the rest
+    (final norm, head; an MAE/MLM decoder) ``num_layers + 1``. An ``encoder.`` prefix (MAE,
+    MLM) is ignored."""
+    name = name.removeprefix("encoder.")
+    if name.startswith(EMBEDDING_PARAMS):
+        return 0
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) + 1
+    return num_layers + 1
+
+
+def param_groups(model: nn.Module, weight_decay: float,
+                 layer_decay: float | None = None) -> list[dict[str, Any]]:
+    """AdamW groups of the trainable parameters: decayed (weight matrices) and not decayed
+    (norms, biases, and the names in ``model.no_weight_decay()`` such as ``cls_token``,
+    ``pos_embed``). Without ``layer_decay``: those two groups. With it: one pair per depth
+    (:func:`layer_id`), each with ``lr_scale = layer_decay ** (L + 1 - depth)`` (the scheduler
+    multiplies its lr by it) and a ``name`` like ``layer3_decay``. Frozen parameters
+    (``requires_grad=False``) are left out."""
     skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
-    decay, no_decay = [], []
+    blocks = getattr(encoder_of(model), "blocks", None)
+    num_layers = len(blocks) if blocks is not None else 0
+    groups: dict[tuple[int, bool], dict[str, Any]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim <= 1 or name.endswith(".bias") or name in skip:
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+        no_wd = p.ndim <= 1 or name.endswith(".bias") or name in skip
+        lid = layer_id(name, num_layers) if layer_decay is not None else 0
+        key = (lid, no_wd)
+        if key not in groups:
+            groups[key] = {"params": [], "weight_decay": 0.0 if no_wd else weight_decay}
+            if layer_decay is not None:
+                groups[key]["lr_scale"] = layer_decay ** (num_layers + 1 - lid)
+                groups[key]["name"] = f"layer{lid}_{'no_decay' if no_wd else 'decay'}"
+        groups[key]["params"].append(p)
+    if layer_decay is None:
+        return [groups.get((0, False), {"params": [], "weight_decay": weight_decay}),
+                groups.get((0, True), {"params": [], "weight_decay": 0.0})]
+    return [groups[k] for k in sorted(groups)]
+
+
+def freeze_encoder(model: nn.Module) -> int:
+    """Linear probe: only ``head.*`` keeps ``requires_grad``; returns the trainable count."""
+    n = 0
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("head."))
+        n += p.numel() if p.requires_grad else 0
+    if n == 0:
+        raise ValueError("freeze_encoder: the model has no head.* parameters")
+    return n
 
 
 def lr_at(step: int, base_lr: float, total_steps: int, warmup_steps: int,
@@ -86,7 +142,8 @@ def lr_at(step: int, base_lr: float, total_steps: int, warmup_steps: int,
 
 
 class CosineWarmup:
-    """Per-step schedule setting every group's lr to :func:`lr_at` of the current step.
+    """Per-step schedule setting every group's lr to :func:`lr_at` of the current step, times
+    the group's ``lr_scale`` (layer-wise decay; 1 when absent).
 
     ``state_dict`` is plain ints/floats (checkpoint-safe)."""
 
@@ -99,7 +156,7 @@ class CosineWarmup:
     def apply(self) -> float:
         lr = lr_at(self.step_num, self.base_lr, self.total_steps, self.warmup_steps, self.min_lr)
         for g in self.optimizer.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)
         return lr
 
     def step(self) -> None:
@@ -161,23 +218,30 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     grad_clip: float | None = None,
     amp_dtype: torch.dtype | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One optimisation step: forward (``train_model``: maybe DDP/compiled ``model``) under
-    autocast, soft-target cross-entropy, backward, clip, AdamW. Returns the detached loss,
-    the logits and the pre-clip gradient norm (None without clipping)."""
+    autocast, soft-target cross-entropy (or the mae/mlm model's own loss), backward, clip,
+    AdamW. Returns the detached loss, the logits (None when pretraining) and the pre-clip
+    gradient norm (None without clipping)."""
     device_type = batch.labels.device.type
+    logits = None
     with torch.autocast(device_type, dtype=amp_dtype or torch.bfloat16,
                         enabled=amp_dtype is not None):
-        logits = task.forward(train_model, batch)
-    assert batch.targets is not None
-    loss = soft_cross_entropy(logits, batch.targets)
+        if task.objective == "classify":
+            logits = task.forward(train_model, batch)
+        else:
+            loss = task.pretrain_loss(train_model, batch).float()
+    if logits is not None:
+        assert batch.targets is not None
+        loss = soft_cross_entropy(logits, batch.targets)
     loss.backward()
     gnorm = None
     if grad_clip:
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        params = [p for p in model.parameters() if p.requires_grad]
+        gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.detach(), logits.detach(), gnorm
+    return loss.detach(), None if logits is None else logits.detach(), gnorm
 
 
 def seed_everything(seed: int) -> None:
@@ -196,7 +260,7 @@ class TrainResult:
     epoch: int
     run_name: str
     run_dir: Path
-    val_acc: float | None = None
+    val_acc: float | None = None  # None for the pretraining objectives
     val_loss: float | None = None
     mlflow_run_id: str | None = None
     registered_version: str | None = None
@@ -250,6 +314,32 @@ def train(
     path, a run folder or ``auto``) the checkpoint's recipe is used, with ``resume_overrides``
     (execution settings: ``max_steps``, ``device``, ``threads``...) applied; a run stopped by
     ``max_steps`` continues past it only with a new ``max_steps`` (``None``: to the end)."""
+    try:
+        run = prepare_run(recipe, data_dir=data_dir, run_name=run_name, resume=resume,
+                          resume_overrides=resume_overrides, tracking_uri=tracking_uri,
+                          register=register, mlflow_enabled=mlflow_enabled, settings=settings,
+                          progress=progress)
+        return run.run()
+    finally:
+        cleanup()
+
+
+def prepare_run(
+    recipe: Recipe,
+    *,
+    data_dir: str | Path | None = None,
+    run_name: str | None = None,
+    resume: str | Path | None = None,
+    resume_overrides: dict[str, Any] | None = None,
+    tracking_uri: str | None = None,
+    register: bool = True,
+    mlflow_enabled: bool = True,
+    settings: Settings | None = None,
+    progress: Progress | None = None,
+) -> _Run:
+    """Everything :func:`train` does before the first step (data, the model with its initial
+    weights, the optimiser); ``.run()`` trains. Nothing is logged to MLflow before that, so the
+    initial model can be inspected (``.model``, ``.lineage``)."""
     settings = settings or get_settings()
     runs_dir = Path(settings.home) / "runs"
     ckpt: dict[str, Any] | None = None
@@ -263,11 +353,8 @@ def train(
     dist = init_distributed(recipe.device)
     if not dist.is_main:  # rank 0 alone reports
         logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
-    try:
-        return _Run(recipe, dist, settings, data_dir, run_name, ckpt, tracking_uri, register,
-                    mlflow_enabled, progress).run()
-    finally:
-        cleanup()
+    return _Run(recipe, dist, settings, data_dir, run_name, ckpt, tracking_uri, register,
+                mlflow_enabled, progress)
 
 
 class _Run:
@@ -287,16 +374,49 @@ class _Run:
         self.amp_dtype = torch.bfloat16 if (cuda and recipe.amp) else None
 
         seed_everything(recipe.seed + dist.rank)
+        # initial weights: resolved before the data (a text encoder brings its tokenizer);
+        # on resume the checkpoint has the weights, the tokenizer and the lineage
+        self.init_source: InitSource | None = None
+        self.lineage = Lineage()
+        tokenizer: TextTokenizer | None = None
+        if ckpt is not None:
+            self.lineage = Lineage.from_dict(ckpt.get("lineage"))
+            if ckpt.get("tokenizer"):
+                tokenizer = TextTokenizer.from_str(ckpt["tokenizer"])
+        elif recipe.init.from_ is not None:
+            self.init_source = resolve_init(recipe.init.from_, tracking_uri, settings)
+            self.lineage = self.init_source.lineage
+            tokenizer = self.init_source.tokenizer
+            if recipe.task == "text" and tokenizer is None:
+                raise InitError(f"init.from {recipe.init.from_!r} has no tokenizer: a text "
+                                "encoder can only be fine-tuned with its own vocabulary")
+            check_split(recipe, self.init_source.parent_recipe)
         t0 = time.perf_counter()
-        self.task: Task = build_task(recipe, dist, data_dir, settings.cache_dir)
+        self.task: Task = build_task(recipe, dist, data_dir, settings.cache_dir, tokenizer)
         log.info("data ready in %.1fs", time.perf_counter() - t0)
         torch.manual_seed(recipe.seed)  # identical init on every rank (DDP also broadcasts)
-        self.model = self.task.build_model().to(self.device)
-        self.model_config = config_to_dict(self.model.config)
+        model: nn.Module
+        if recipe.init.timm is not None and ckpt is None:
+            model, self.lineage = build_timm_model(recipe, self.task.num_classes)
+        elif recipe.init.timm is not None:  # resume: timm's architecture, weights from ckpt
+            from vit_service.models import build_model_from_dict
+
+            assert ckpt is not None
+            model = build_model_from_dict(ckpt["model_config"])
+        else:
+            model = self.task.build_model()
+        if self.init_source is not None:
+            load_encoder(encoder_of(model), self.init_source)
+        if recipe.freeze_encoder:
+            log.info("freeze_encoder: training the head only (%d parameters)",
+                     freeze_encoder(model))
+        self.model = model.to(self.device)
+        self.model_config = config_to_dict(encoder_of(self.model).config)
         o = recipe.optim
         self.ema = ModelEma(self.model, o.ema_decay) if o.ema_decay else None
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr,
-                                           betas=o.betas, eps=o.eps, fused=cuda or None)
+        self.optimizer = torch.optim.AdamW(
+            param_groups(self.model, o.weight_decay, o.layer_decay), lr=o.lr, betas=o.betas,
+            eps=o.eps, fused=cuda or None)
         self.steps_per_epoch = self.task.steps_per_epoch()
         self.total_steps = recipe.epochs * self.steps_per_epoch
         warmup = o.warmup_steps if o.warmup_steps is not None else round(
@@ -304,7 +424,7 @@ class _Run:
         self.scheduler = CosineWarmup(self.optimizer, o.lr, self.total_steps,
                                       min(warmup, self.total_steps), o.min_lr)
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
-        self.last_eval: EvalResult | None = None
+        self.last_eval: EvalResult | LossResult | None = None
         self.last_eval_step = -1
         self._saved_step = -1
 
@@ -329,8 +449,8 @@ class _Run:
         run_id = self.ckpt.get("mlflow_run_id") if self.ckpt else None
         if self.mlrun is not None:
             tags = {"vit_service.recipe": r.name, "vit_service.task": r.task,
-                    "vit_service.run_dir": str(self.run_dir.resolve()),
-                    "lineage.parent_run_id": "", "lineage.init": "scratch"}
+                    "vit_service.objective": r.objective,
+                    "vit_service.run_dir": str(self.run_dir.resolve()), **self.lineage.tags()}
             new = run_id is None
             run_id = self.mlrun.start(r, self.run_name, run_id, tags)
             if new:
@@ -339,8 +459,12 @@ class _Run:
                     "train.steps_per_epoch": self.steps_per_epoch,
                     "train.total_steps": self.total_steps,
                     "train.world_size": self.dist.world_size,
-                    "model.n_params": count_parameters(self.model),
+                    "model.n_params": count_parameters(self.model, trainable_only=False),
+                    "model.n_trainable": count_parameters(self.model),
                     "train.device": str(self.device)})
+                if self.lineage.init != "scratch":
+                    self.mlrun.log_lineage(self.lineage.to_dict(), self.init_source.parent_recipe
+                                           if self.init_source else None)
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / ckpt_io.RUN_INFO).write_text(json.dumps(
@@ -364,7 +488,7 @@ class _Run:
                         len(rngs), self.dist.world_size)
             seed_everything(self.recipe.seed + self.dist.rank + self.step)
         m = ck.get("metrics") or {}
-        if m.get("val_acc") is not None:
+        if m.get("val_acc") is not None or m.get("val_loss") is not None:
             self.last_eval_step = int(m.get("eval_step", -1))
 
     def _state(self, status: str, run_id: str | None) -> dict[str, Any]:
@@ -377,7 +501,10 @@ class _Run:
             "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
             "rng": rngs,
             "recipe": self.recipe.to_dict(),
-            "model_config": self.model_config,
+            "objective": self.recipe.objective,
+            "model_config": self.model_config,  # the (encoder's, when pretraining) config
+            "tokenizer": self.task.tokenizer.to_str() if self.task.tokenizer else None,
+            "lineage": self.lineage.to_dict(),
             "mlflow_run_id": run_id, "run_name": self.run_name, "status": status,
             "world_size": self.dist.world_size,
             "metrics": {
@@ -399,15 +526,53 @@ class _Run:
     def _eval_model(self) -> nn.Module:
         return self.ema.module if self.ema is not None else self.model
 
-    def evaluate(self) -> EvalResult:
-        batches = self.task.val_batches(self.recipe.eval_batch_size)
+    def evaluate(self) -> EvalResult | LossResult:
         reduce = (lambda t: all_reduce_sum(t, self.dist)) if self.dist.enabled else None
-        res = evaluate_batches(self._eval_model(), batches, self.task.forward,
-                               self.task.class_names, self.device, self.amp_dtype, reduce)
+        res: EvalResult | LossResult
+        if self.recipe.pretraining:
+            with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.bfloat16,
+                                enabled=self.amp_dtype is not None):
+                res = self.task.pretrain_eval(self._eval_model(), self.recipe.eval_batch_size,
+                                              reduce)
+        else:
+            batches = self.task.val_batches(self.recipe.eval_batch_size)
+            res = evaluate_batches(self._eval_model(), batches, self.task.forward,
+                                   self.task.class_names, self.device, self.amp_dtype, reduce)
         self.last_eval, self.last_eval_step = res, self.step
+        self._set_train_mode()
         return res
 
+    def _set_train_mode(self) -> None:
+        """Training mode; with a frozen encoder, only the head (no dropout in the encoder)."""
+        self.model.train()
+        if self.recipe.freeze_encoder:
+            for name, child in self.model.named_children():
+                if name not in ("head", "head_drop"):
+                    child.eval()
+
+    @staticmethod
+    def _val_metrics(res: EvalResult | LossResult) -> dict[str, float]:
+        if res.acc is None:
+            return {"val/loss": res.loss, "val_loss": res.loss}
+        return {"val/loss": res.loss, "val/acc": res.acc, "val_acc": res.acc}
+
     def run(self) -> TrainResult:
+        """Train with this process's log records also appended to ``<run dir>/train.log``."""
+        handler = None
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            handler = logging.FileHandler(self.run_dir / "train.log")
+            handler.setFormatter(
+                logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            logging.getLogger().addHandler(handler)
+        try:
+            return self._run()
+        finally:
+            if handler is not None:
+                logging.getLogger().removeHandler(handler)
+                handler.close()
+
+    def _run(self) -> TrainResult:
         r = self.recipe
         run_id = self._start_tracking()
         if self.ckpt is not None:
@@ -448,8 +613,8 @@ class _Run:
     def _loop(self, train_model: nn.Module, run_id: str | None) -> str:
         r = self.recipe
         max_steps = r.max_steps if r.max_steps is not None else self.total_steps
-        win = _Window()
-        self.model.train()
+        win = _Window(has_acc=not r.pretraining)
+        self._set_train_mode()
         while self.epoch < r.epochs:
             t_epoch = time.perf_counter()
             while self.batch_in_epoch < self.steps_per_epoch:
@@ -469,22 +634,24 @@ class _Run:
                     self.ema.update(self.model)
                 self.step += 1
                 self.batch_in_epoch += 1
-                win.add(loss.detach(), (logits.argmax(-1) == batch.targets.argmax(-1)).sum(),
-                        batch, gnorm, t_data, time.perf_counter() - t0)
+                correct = (0.0 if logits is None or batch.targets is None else
+                           (logits.argmax(-1) == batch.targets.argmax(-1)).sum())
+                win.add(loss.detach(), correct, batch, gnorm, t_data, time.perf_counter() - t0)
                 if self.step % r.log_every == 0 or self.step == max_steps:
                     self._log_window(win, lr)
             # epoch boundary
             self.epoch += 1
             self.batch_in_epoch = 0
             res = self.evaluate()
-            metrics = {"val/loss": res.loss, "val/acc": res.acc, "val_acc": res.acc,
-                       "epoch": self.epoch, "time/epoch_s": time.perf_counter() - t_epoch}
+            metrics = {**self._val_metrics(res), "epoch": self.epoch,
+                       "time/epoch_s": time.perf_counter() - t_epoch}
             if self.mlrun is not None:
                 self.mlrun.log_metrics(metrics, self.step)
             self.progress.epoch(self.step, self.epoch - 1, val_loss=res.loss, val_acc=res.acc,
                                 epoch_time_s=metrics["time/epoch_s"])
-            log.info("epoch %d/%d step %d: val_loss %.4f val_acc %.4f (%.0fs)", self.epoch,
-                     r.epochs, self.step, res.loss, res.acc, metrics["time/epoch_s"])
+            log.info("epoch %d/%d step %d: val_loss %.4f%s (%.0fs)", self.epoch, r.epochs,
+                     self.step, res.loss, "" if res.acc is None else f" val_acc {res.acc:.4f}",
+                     metrics["time/epoch_s"])
             if self.epoch % r.checkpoint_every == 0 or self.epoch >= r.epochs:
                 self._save("finished" if self.epoch >= r.epochs else "running", run_id)
             win.reset()  # keep evaluation and checkpointing out of the throughput window
@@ -513,8 +680,7 @@ class _Run:
         if status != "interrupted" and self.last_eval_step != self.step:
             res = self.evaluate()  # stopped mid-epoch: evaluate where we are
             if self.mlrun is not None:
-                self.mlrun.log_metrics({"val/loss": res.loss, "val/acc": res.acc,
-                                        "val_acc": res.acc}, self.step)
+                self.mlrun.log_metrics(self._val_metrics(res), self.step)
         if self.dist.is_main and status != "interrupted" and self.last_eval is not None:
             version = self._publish(run_id)
         res = self.last_eval
@@ -525,7 +691,8 @@ class _Run:
         if self.mlrun is not None:
             self.mlrun.end("KILLED" if status == "interrupted" else "FINISHED")
         log.info("run %s %s at step %d%s", self.run_name, status, self.step,
-                 f" (val_acc {res.acc:.4f})" if res else "")
+                 "" if res is None else f" (val_acc {res.acc:.4f})" if res.acc is not None
+                 else f" (val_loss {res.loss:.4f})")
         return TrainResult(status, self.step, self.epoch, self.run_name, self.run_dir,
                            res.acc if res else None, res.loss if res else None, run_id, version,
                            self.ckpt_path, exit_code)
@@ -539,6 +706,8 @@ class _Run:
         model = self._eval_model()
         art_dir = self.run_dir / "artifacts"
         art_dir.mkdir(parents=True, exist_ok=True)
+        if isinstance(res, LossResult):
+            return self._publish_encoder(run_id, model, res, art_dir)
         (art_dir / "per_class.txt").write_text(res.format_table() + "\n")
         attn_path = None
         try:
@@ -551,8 +720,8 @@ class _Run:
             preprocess=self.task.bundle_preprocess(),
             extra={"recipe": r.to_dict(), "val_acc": res.acc, "val_loss": res.loss,
                    "run_id": run_id, "run_name": self.run_name, "step": self.step,
-                   "ema": self.ema is not None,
-                   "lineage": {"init": "scratch", "parent_run_id": None}},
+                   "ema": self.ema is not None, "objective": r.objective,
+                   "lineage": self.lineage.to_dict()},
         )
         bundle_dir = save_bundle(self.run_dir / "bundle", model, meta, self.task.tokenizer)
         if self.mlrun is None:
@@ -563,11 +732,45 @@ class _Run:
         return self.mlrun.register(bundle_dir, self.task.kind,
                                    r.register_as if self.register else None)
 
+    def _publish_encoder(self, run_id: str | None, model: nn.Module, res: LossResult,
+                         art_dir: Path) -> str | None:
+        """Pretraining (mae/mlm): the reconstruction picture, and a bundle of the encoder
+        alone (headless ViT / text encoder + tokenizer) registered without a champion."""
+        from vit_service.bundle import BundleMeta, save_bundle
+
+        r = self.recipe
+        picture = None
+        try:
+            n = r.mae.samples if r.mae is not None else 0
+            picture = self.task.pretrain_report(model, art_dir, n)
+        except Exception:  # an artifact must not fail the run
+            log.exception("reconstruction picture failed")
+        spec = r.mae if r.mae is not None else r.mlm
+        meta = BundleMeta(
+            task=self.task.kind,  # type: ignore[arg-type]
+            model_config=self.model_config, class_names=[],
+            preprocess=self.task.bundle_preprocess(),
+            extra={"recipe": r.to_dict(), "objective": r.objective,
+                   "pretrain": spec.model_dump(mode="json") if spec else {},
+                   "val_loss": res.loss, "run_id": run_id, "run_name": self.run_name,
+                   "step": self.step, "ema": self.ema is not None,
+                   "lineage": self.lineage.to_dict()},
+        )
+        bundle_dir = save_bundle(self.run_dir / "bundle", encoder_of(model), meta,
+                                 self.task.tokenizer)
+        if self.mlrun is None:
+            return None
+        if picture is not None:
+            self.mlrun.log_artifact(picture, "reconstructions")
+        return self.mlrun.register(bundle_dir, self.task.kind,
+                                   r.register_as if self.register else None, promote=False)
+
 
 class _Window:
     """Running sums between two train-metric logs (tensors: no device sync per step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, has_acc: bool = True) -> None:
+        self.has_acc = has_acc
         self.reset()
 
     def reset(self) -> None:
@@ -578,7 +781,7 @@ class _Window:
         self.data_t = 0.0
         self.t0 = time.perf_counter()
 
-    def add(self, loss: Tensor, correct: Tensor, batch: Any, gnorm: Tensor | None,
+    def add(self, loss: Tensor, correct: Tensor | float, batch: Any, gnorm: Tensor | None,
             t_data: float, t_step: float) -> None:
         self.loss = self.loss + loss
         self.correct = self.correct + correct
@@ -597,6 +800,8 @@ class _Window:
         m = {"loss": float(self.loss) / self.steps, "acc": float(self.correct) / self.examples,
              "throughput": self.items * world_size / elapsed,
              "data_time_frac": self.data_t / elapsed}
+        if not self.has_acc:
+            del m["acc"]
         if self.n_gnorm:
             m["grad_norm"] = float(self.gnorm) / self.n_gnorm
         self.reset()

@@ -70,6 +70,9 @@ class BundlePyfunc(mlflow.pyfunc.PythonModel):
         from vit_service.preprocess import decode_image, images_to_tensor
 
         b = self.bundle
+        if not b.meta.class_names:
+            raise ValueError("this model is a pretrained encoder (no classes): fine-tune it "
+                             "(recipe init.from) before predicting")
         with torch.inference_mode():
             if b.meta.task == "image":
                 imgs = [decode_image(base64.b64decode(s)) for s in model_input["image"]]
@@ -94,20 +97,26 @@ def log_bundle(
 ) -> str | None:
     """Log the bundle as a pyfunc model in the active run; register it if a name is given.
 
+    A pretrained encoder's bundle (no class names) is logged without an input example: it
+    does not predict labels, it is what fine-tuning starts from.
     Returns the new registered version (as a string) or ``None``.
     """
+    import json
+
     import pandas as pd
     from mlflow.models import infer_signature
 
     col = "image" if task == "image" else "text"
     example_in = pd.DataFrame({col: [_example_input(task)]})
     example_out = pd.DataFrame({"label": ["x"], "index": [0], "probability": [0.5]})
+    meta = json.loads((Path(bundle_dir) / "meta.json").read_text())
+    classifier = bool(meta.get("class_names"))
     info = mlflow.pyfunc.log_model(
         name="model",
         python_model=BundlePyfunc(),
         artifacts={BUNDLE_ARTIFACT: str(bundle_dir)},
-        signature=infer_signature(example_in, example_out),
-        input_example=example_in,
+        signature=infer_signature(example_in, example_out if classifier else None),
+        input_example=example_in if classifier else None,
         registered_model_name=registered_name,
         pip_requirements=["vit-service", "torch", "pillow", "tokenizers", "pandas"],
     )
