@@ -94,6 +94,7 @@ def test_image_cli_run_is_in_mlflow(image_run: dict) -> None:
     assert str(mv.version) == "1" and mv.run_id == run_id
     run_dir = image_run["home"] / "runs" / "smoke-1"
     assert (run_dir / "checkpoints" / LAST).is_file() and (run_dir / "bundle/meta.json").is_file()
+    assert (run_dir / "train.log").is_file() and (run_dir / "recipe.yaml").is_file()
 
 
 def test_worse_run_does_not_move_champion_and_evaluate(image_run: dict, data_dir: Path,
