@@ -7,6 +7,7 @@ and by ``vit-service evaluate MODEL --split val|test`` on a saved bundle.
 from __future__ import annotations
 
 import logging
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +118,8 @@ def evaluate_bundle(
 
     if split not in ("val", "test"):
         raise ValueError(f"split must be val or test, got {split!r}")
-    b = load_bundle(_bundle_dir(model_ref), device=device)
+    with tempfile.TemporaryDirectory(prefix="vit-service-eval-") as tmp:
+        b = load_bundle(_bundle_dir(model_ref, tmp), device=device)  # fully read: tmp can go
     if not b.meta.class_names:
         raise ValueError(f"a pretrained encoder (objective "
                          f"{(b.meta.extra or {}).get('objective', '?')}), not a classifier: "
@@ -186,7 +188,7 @@ class _B:
     labels: Tensor
 
 
-def _bundle_dir(model_ref: str) -> Path:
+def _bundle_dir(model_ref: str, tmp: str) -> Path:
     """A bundle folder as is; otherwise a registered model (``name`` -> ``@champion``,
     ``models:/name@alias``, ``models:/name/version``) downloaded from MLflow."""
     p = Path(model_ref)
@@ -196,4 +198,4 @@ def _bundle_dir(model_ref: str) -> Path:
         raise FileNotFoundError(f"{p} is not a model bundle (no meta.json)")
     from vit_service import tracking
 
-    return tracking.download_bundle(tracking.resolve_model(model_ref))
+    return tracking.download_bundle(tracking.resolve_model(model_ref), tmp)

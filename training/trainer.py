@@ -297,29 +297,14 @@ def _default_run_name(recipe: Recipe) -> str:
     return f"{recipe.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def train(
-    recipe: Recipe,
-    *,
-    data_dir: str | Path | None = None,
-    run_name: str | None = None,
-    resume: str | Path | None = None,
-    resume_overrides: dict[str, Any] | None = None,
-    tracking_uri: str | None = None,
-    register: bool = True,
-    mlflow_enabled: bool = True,
-    settings: Settings | None = None,
-    progress: Progress | None = None,
-) -> TrainResult:
-    """Train ``recipe`` end to end (see the module docstring). With ``resume`` (a checkpoint
-    path, a run folder or ``auto``) the checkpoint's recipe is used, with ``resume_overrides``
-    (execution settings: ``max_steps``, ``device``, ``threads``...) applied; a run stopped by
-    ``max_steps`` continues past it only with a new ``max_steps`` (``None``: to the end)."""
+def train(recipe: Recipe, **options: Any) -> TrainResult:
+    """Train ``recipe`` end to end (see the module docstring); ``options`` are
+    :func:`prepare_run`'s keywords. With ``resume`` (a checkpoint path, a run folder or
+    ``auto``) the checkpoint's recipe is used, with ``resume_overrides`` (execution settings:
+    ``max_steps``, ``device``, ``threads``...) applied; a run stopped by ``max_steps``
+    continues past it only with a new ``max_steps`` (``None``: to the end)."""
     try:
-        run = prepare_run(recipe, data_dir=data_dir, run_name=run_name, resume=resume,
-                          resume_overrides=resume_overrides, tracking_uri=tracking_uri,
-                          register=register, mlflow_enabled=mlflow_enabled, settings=settings,
-                          progress=progress)
-        return run.run()
+        return prepare_run(recipe, **options).run()
     finally:
         cleanup()
 

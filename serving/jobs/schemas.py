@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime
 from typing import Any
 
@@ -63,13 +64,10 @@ class Job(BaseModel):
             total_steps=p.get("total_steps"), last_event=p.get("last_event"),
             metrics={k: float(v) for k, v in p.get("metrics", {}).items()},
         )
-        return cls(
-            id=r.id, name=r.name, recipe=r.recipe, overrides=r.overrides, nprocs=r.nprocs,
-            state=r.state, created_at=r.created_at, started_at=r.started_at,
-            finished_at=r.finished_at, exit_code=r.exit_code, reason=r.reason,
-            attempts=r.attempts, progress=progress, mlflow_run_id=r.mlflow_run_id,
-            mlflow_run_url=url,
-        )
+        # the public fields are a subset of the record's (pid, run_dir... stay internal)
+        public = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)
+                  if f.name in cls.model_fields}
+        return cls(**public | {"progress": progress, "mlflow_run_url": url})
 
 
 class JobList(BaseModel):

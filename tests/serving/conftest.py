@@ -28,11 +28,11 @@ from serving.app import create_app
 from vit_service import tracking
 from vit_service.bundle import CIFAR10_MEAN, CIFAR10_STD, BundleMeta, save_bundle
 from vit_service.config import Settings
+from vit_service.data import CIFAR10_CLASSES
 from vit_service.data.tokenizer import TextTokenizer
 from vit_service.models import config_to_dict, create_model
 
-CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
-                 "truck"]
+CIFAR_CLASSES = list(CIFAR10_CLASSES)
 TEXT_MAX_LEN = 16
 CORPUS = [
     "a moving beautifully shot film with a great cast",

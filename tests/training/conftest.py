@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -10,14 +11,16 @@ import sys
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from vit_service.data import CIFAR10_CLASSES
+
 REPO = Path(__file__).resolve().parents[2]
-CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
-           "truck"]
+CLASSES = list(CIFAR10_CLASSES)
 POS_WORDS = "great wonderful superb moving brilliant loved delightful masterpiece".split()
 NEG_WORDS = "awful boring terrible dull waste hated clumsy disaster".split()
 FILLER = "the film movie plot actor scene story was and a it this of to".split()
@@ -73,6 +76,29 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 QUIET = {"LOG_LEVEL": "WARNING", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
          "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
+
+
+def progress_events(stdout: str) -> list[dict]:
+    """The JSON-lines progress events a non-TTY ``vit-service train`` printed."""
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def mlflow_client(uri: str) -> Any:
+    import mlflow
+    from mlflow import MlflowClient
+
+    mlflow.set_tracking_uri(uri)
+    return MlflowClient(uri)
+
+
+def run_artifacts(client: Any, run_id: str, path: str = "") -> set[str]:
+    """Every artifact path of a run, recursively."""
+    out = set()
+    for f in client.list_artifacts(run_id, path):
+        out.add(f.path)
+        if f.is_dir:
+            out |= run_artifacts(client, run_id, f.path)
+    return out
 
 
 @pytest.fixture(scope="session")

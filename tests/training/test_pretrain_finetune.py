@@ -22,6 +22,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.training.conftest import QUIET, mlflow_client, progress_events, run_artifacts
 from training.checkpoint import load_checkpoint
 from training.init import InitError, Lineage
 from training.recipes import RecipeError, load_recipe
@@ -30,30 +31,7 @@ from vit_service.config import Settings
 from vit_service.models import build_model, create_model
 from vit_service.models.mae import MAE, MAEConfig
 
-QUIET = {"LOG_LEVEL": "WARNING", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-         "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
 FINETUNE = "cifar10-vit-finetune-smoke"
-
-
-def _events(stdout: str) -> list[dict]:
-    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-
-
-def _client(uri: str) -> Any:
-    import mlflow
-    from mlflow import MlflowClient
-
-    mlflow.set_tracking_uri(uri)
-    return MlflowClient(uri)
-
-
-def _artifacts(client: Any, run_id: str, path: str = "") -> set[str]:
-    out = set()
-    for f in client.list_artifacts(run_id, path):
-        out.add(f.path)
-        if f.is_dir:
-            out |= _artifacts(client, run_id, f.path)
-    return out
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -86,7 +64,7 @@ def mae_run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path, run_cli,
     proc = run_cli(["train", "cifar10-mae-smoke", "--data-dir", str(data_dir), "--tracking-uri",
                     uri, "--run-name", "mae"], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    end = _events(proc.stdout)[-1]
+    end = progress_events(proc.stdout)[-1]
     run_dir = home / "runs" / "mae"
     return {"uri": uri, "home": home, "data_dir": data_dir, "end": end,
             "run_id": end["mlflow_run_id"], "run_dir": run_dir,
@@ -107,13 +85,13 @@ def test_mae_pretraining_logs_an_encoder_bundle_and_reconstructions(mae_run: dic
     end = mae_run["end"]
     assert end["status"] == "finished" and end["val_acc"] is None
     assert 0 < end["val_loss"] < 2 and end["registered_version"] == "1"
-    client = _client(mae_run["uri"])
+    client = mlflow_client(mae_run["uri"])
     run = client.get_run(mae_run["run_id"])
     assert run.data.tags["vit_service.objective"] == "mae"
     assert "val/loss" in run.data.metrics and "val/acc" not in run.data.metrics
     assert "train/acc" not in run.data.metrics
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")] == [12, 24]
-    assert "reconstructions/mae_reconstructions.png" in _artifacts(client, run.info.run_id)
+    assert "reconstructions/mae_reconstructions.png" in run_artifacts(client, run.info.run_id)
     png = mae_run["run_dir"] / "artifacts" / "mae_reconstructions.png"
     assert Image.open(png).size[0] > 200
     # registered without a champion; @latest resolves
@@ -158,7 +136,7 @@ def test_finetune_run_records_lineage_in_mlflow_and_the_bundle(mae_run: dict) ->
                 data_dir=mae_run["data_dir"], tracking_uri=mae_run["uri"],
                 settings=mae_run["settings"], run_name="ft-lineage")
     assert res.status == "finished" and res.val_acc is not None and res.val_acc > 0.3
-    client = _client(mae_run["uri"])
+    client = mlflow_client(mae_run["uri"])
     tags = client.get_run(res.mlflow_run_id).data.tags
     assert tags["vit_service.init_source"] == f"runs:/{rid}"
     assert tags["vit_service.init_kind"] == "run" and tags["lineage.init"] == "run"
@@ -167,7 +145,7 @@ def test_finetune_run_records_lineage_in_mlflow_and_the_bundle(mae_run: dict) ->
     assert tags["vit_service.parent_objective"] == "mae"
     params = client.get_run(res.mlflow_run_id).data.params
     assert params["recipe.init.from"] == f"runs:/{rid}"
-    arts = _artifacts(client, res.mlflow_run_id)
+    arts = run_artifacts(client, res.mlflow_run_id)
     assert {"lineage/init.json", "lineage/parent_recipe.yaml"} <= arts
     meta = json.loads((res.run_dir / "bundle" / "meta.json").read_text())
     assert meta["extra"]["lineage"]["parent_run_id"] == rid
@@ -255,7 +233,7 @@ def test_mlm_pretrain_on_train_and_unsup_then_finetune_with_its_tokenizer(
     assert ft.lineage.parent_model == "imdb-mlm/1" and ft.lineage.parent_objective == "mlm"
     out = ft.run()
     assert out.status == "finished" and out.val_acc is not None
-    tags = _client(env["MLFLOW_TRACKING_URI"]).get_run(out.mlflow_run_id).data.tags
+    tags = mlflow_client(env["MLFLOW_TRACKING_URI"]).get_run(out.mlflow_run_id).data.tags
     assert tags["vit_service.parent_run_id"] == res.mlflow_run_id
     assert tags["vit_service.init_source"] == "models:/imdb-mlm@latest"
     # the fine-tuned checkpoint carries the tokenizer (resume, and fine-tuning from it)

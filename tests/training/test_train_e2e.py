@@ -13,35 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.training.conftest import QUIET, mlflow_client, progress_events, run_artifacts
 from training.checkpoint import LAST, load_checkpoint
 from training.recipes import load_recipe
 from training.trainer import EXIT_SIGTERM, train
 from vit_service.config import Settings
 
 REPO = Path(__file__).resolve().parents[2]
-QUIET = {"LOG_LEVEL": "WARNING", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-         "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
-
-
-def _events(stdout: str) -> list[dict]:
-    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-
-
-def _client(uri: str):
-    import mlflow
-    from mlflow import MlflowClient
-
-    mlflow.set_tracking_uri(uri)
-    return MlflowClient(uri)
-
-
-def _artifacts(client, run_id: str, path: str = "") -> set[str]:
-    out = set()
-    for f in client.list_artifacts(run_id, path):
-        out.add(f.path)
-        if f.is_dir:
-            out |= _artifacts(client, run_id, f.path)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +37,7 @@ def image_run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path, run_cli,
 
 
 def test_image_cli_run_progress_is_json_lines(image_run: dict) -> None:
-    events = _events(image_run["proc"].stdout)
+    events = progress_events(image_run["proc"].stdout)
     kinds = [e["event"] for e in events]
     assert kinds[0] == "start" and kinds[-1] == "end"
     assert kinds.count("epoch") == 2 and "step" in kinds
@@ -74,8 +52,8 @@ def test_image_cli_run_progress_is_json_lines(image_run: dict) -> None:
 
 
 def test_image_cli_run_is_in_mlflow(image_run: dict) -> None:
-    client = _client(image_run["uri"])
-    run_id = _events(image_run["proc"].stdout)[0]["mlflow_run_id"]
+    client = mlflow_client(image_run["uri"])
+    run_id = progress_events(image_run["proc"].stdout)[0]["mlflow_run_id"]
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "smoke-1"
     assert client.get_experiment(run.info.experiment_id).name == "cifar10"
@@ -87,7 +65,7 @@ def test_image_cli_run_is_in_mlflow(image_run: dict) -> None:
             "val/acc", "val_acc", "val/class_acc/airplane"} <= set(m)
     assert m["val_acc"] > 0.5  # the generated classes are easy
     assert len(client.get_metric_history(run_id, "val_acc")) == 2  # per epoch
-    arts = _artifacts(client, run_id)
+    arts = run_artifacts(client, run_id)
     assert {"recipe.yaml", "confusion_matrix.png", "per_class.json",
             "attention/attention_rollout.png"} <= arts
     mv = client.get_model_version_by_alias("cifar10-vit", "champion")
@@ -106,7 +84,7 @@ def test_worse_run_does_not_move_champion_and_evaluate(image_run: dict, data_dir
     res = train(worse, data_dir=data_dir, run_name="smoke-worse", settings=settings,
                 tracking_uri=image_run["uri"])
     assert res.registered_version == "2"
-    client = _client(image_run["uri"])
+    client = mlflow_client(image_run["uri"])
     assert str(client.get_model_version_by_alias("cifar10-vit", "champion").version) == "1"
     first = client.get_run(client.get_model_version("cifar10-vit", "1").run_id)
 
@@ -131,17 +109,17 @@ def test_text_cli_run_end_to_end(tmp_path: Path, data_dir: Path, run_cli, mlflow
     proc = run_cli(["train", "imdb-smoke", "--data-dir", str(data_dir), "--tracking-uri", uri],
                    env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    events = _events(proc.stdout)
+    events = progress_events(proc.stdout)
     assert events[-1]["status"] == "finished" and events[-1]["registered_version"] == "1"
     step = next(e for e in events if e["event"] == "step")
     assert step["throughput"] > 0  # tokens/s
-    client = _client(uri)
+    client = mlflow_client(uri)
     run_id = events[0]["mlflow_run_id"]
     run = client.get_run(run_id)
     assert run.data.params["recipe.data.max_len"] == "64"
     assert client.get_experiment(run.info.experiment_id).name == "imdb"
     assert {"val_acc", "train/loss", "val/loss"} <= set(run.data.metrics)
-    arts = _artifacts(client, run_id)
+    arts = run_artifacts(client, run_id)
     assert {"recipe.yaml", "confusion_matrix.png", "attention/attention_rollout.html"} <= arts
     assert str(client.get_model_version_by_alias("imdb-sentiment", "champion").version) == "1"
     bundle = next((tmp_path / "home" / "runs").glob("imdb-smoke-*/bundle"))
@@ -182,7 +160,7 @@ def test_resume_equals_uninterrupted_run(env: dict, data_dir: Path) -> None:
     assert a["optimizer"]["state"][0]["step"] == b["optimizer"]["state"][0]["step"]
     assert resumed.val_acc == straight.val_acc
     assert resumed.val_loss == pytest.approx(straight.val_loss, abs=1e-6)
-    client = _client(env["MLFLOW_TRACKING_URI"])
+    client = mlflow_client(env["MLFLOW_TRACKING_URI"])
     hist = client.get_metric_history(first.mlflow_run_id, "train/loss")
     assert max(h.step for h in hist) == 24
 
@@ -207,13 +185,13 @@ def test_sigterm_checkpoints_and_exits_143(tmp_path: Path, data_dir: Path, mlflo
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == EXIT_SIGTERM, err[-3000:]
-    end = _events(out)[-1]
+    end = progress_events(out)[-1]
     assert end["event"] == "end" and end["status"] == "interrupted" and end["exit_code"] == 143
     state = load_checkpoint(home / "runs" / "killed" / "checkpoints" / LAST)  # weights_only
     assert state["status"] == "interrupted" and 4 <= state["step"] < 500 * 12
     assert state["step"] == end["step"]
     assert not list((home / "runs" / "killed" / "checkpoints").glob(".*tmp"))
-    run = _client(env["MLFLOW_TRACKING_URI"]).get_run(state["mlflow_run_id"])
+    run = mlflow_client(env["MLFLOW_TRACKING_URI"]).get_run(state["mlflow_run_id"])
     assert run.info.status == "KILLED"
 
 

@@ -16,32 +16,34 @@ CIFAR-10 this equals the official label order. The decoded arrays are cached as 
 
 from __future__ import annotations
 
-import bz2
-import contextlib
-import gzip
 import io
 import logging
-import lzma
 import os
 import pickle
 import re
-import tarfile
 import time
-import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
 from vit_service.data import cache
+from vit_service.data.archive import (
+    ARCHIVE_ERRORS,
+    NotASource,
+    SplitMissing,
+    is_archive,
+    iter_tar_files,
+    peek_archive,
+    resolve_data_dir,
+)
 from vit_service.data.errors import CIFAR_HINT, IMAGE_FOLDER_HINT, DataNotFoundError
 
 logger = logging.getLogger(__name__)
 
-DATA_DIR_ENV = "VIT_SERVICE_DATA_DIR"
 LOADER_VERSION = "1"
 CIFAR10_CLASSES: tuple[str, ...] = (
     "airplane",
@@ -60,9 +62,6 @@ BATCHES_DIR = "cifar-10-batches-py"
 OFFICIAL_ARCHIVE = "cifar-10-python.tar.gz"
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 USE_TORCHVISION_JPEG = True  # batch-decode JPEGs with torchvision.io when importable
-# what a damaged or non-tar file raises while being streamed
-ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile)
-ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 
 
 @dataclass
@@ -94,196 +93,11 @@ class ImageDataset:
         )
 
 
-class _NotASource(Exception):
-    """A candidate path turned out not to hold usable data (message goes to the error)."""
-
-
-class _SplitMissing(_NotASource):
-    """The source exists but does not contain the requested split."""
-
-
 # ----------------------------------------------------------------------------- helpers
-
-
-def is_archive(path: Path) -> bool:
-    """True for names ending in a tar suffix (.tar.gz, .tgz, .tar, ...)."""
-    name = path.name.lower()
-    return any(name.endswith(s) for s in ARCHIVE_SUFFIXES)
 
 
 def _is_image_name(name: str) -> bool:
     return name.lower().endswith(IMG_EXTENSIONS) and not os.path.basename(name).startswith(".")
-
-
-def resolve_data_dir(data_dir: str | Path | None, hint: str) -> Path:
-    """``data_dir`` or, when None/empty, ``$VIT_SERVICE_DATA_DIR``."""
-    if data_dir is not None and str(data_dir) != "":
-        return Path(data_dir).expanduser()
-    env = os.environ.get(DATA_DIR_ENV, "")
-    if env:
-        return Path(env).expanduser()
-    raise DataNotFoundError(f"No data directory given and ${DATA_DIR_ENV} is not set.", [], hint)
-
-
-class _TarFallback(Exception):
-    """The fast tar reader met something it does not handle; tarfile takes over."""
-
-
-_BLOCK = 512
-_ZERO_BLOCK = bytes(_BLOCK)
-
-
-def _open_decompressed(path: Path, stack: contextlib.ExitStack) -> IO[bytes]:
-    """Buffered reader over the decompressed bytes of a (possibly compressed) tar file."""
-    raw = stack.enter_context(open(path, "rb"))
-    magic = raw.read(6)
-    raw.seek(0)
-    stream: IO[bytes]
-    if magic[:2] == b"\x1f\x8b":
-        stream = stack.enter_context(gzip.GzipFile(fileobj=raw, mode="rb"))
-    elif magic[:3] == b"BZh":
-        stream = stack.enter_context(bz2.BZ2File(raw, "rb"))
-    elif magic == b"\xfd7zXZ\x00":
-        stream = stack.enter_context(lzma.LZMAFile(raw, "rb"))
-    else:
-        return raw
-    return io.BufferedReader(stream, buffer_size=1 << 20)  # type: ignore[arg-type]
-
-
-def _tar_number(field: bytes) -> int:
-    if field[:1] and field[0] & 0x80:  # GNU base-256 for large values
-        if field[0] == 0xFF:
-            raise _TarFallback("negative base-256 number")
-        return int.from_bytes(bytes([field[0] & 0x7F]) + field[1:], "big")
-    text = field.split(b"\0", 1)[0].strip()
-    try:
-        return int(text, 8) if text else 0
-    except ValueError:
-        raise _TarFallback(f"bad number field {field!r}") from None
-
-
-def _parse_pax(data: bytes) -> dict[str, str]:
-    out: dict[str, str] = {}
-    pos = 0
-    try:
-        while pos < len(data) and data[pos : pos + 1] != b"\0":
-            space = data.index(b" ", pos)
-            length = int(data[pos:space])
-            key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
-            out[key.decode()] = value.decode("utf-8", "surrogateescape")
-            pos += length
-    except ValueError:
-        raise _TarFallback("bad pax header") from None
-    return out
-
-
-def _read_exact(f: IO[bytes], n: int) -> bytes:
-    data = f.read(n)
-    if len(data) != n:
-        raise _TarFallback("unexpected end of archive")
-    return data
-
-
-def _skip(f: IO[bytes], n: int) -> None:
-    while n > 0:
-        chunk = f.read(min(n, 1 << 20))
-        if not chunk:
-            raise _TarFallback("unexpected end of archive")
-        n -= len(chunk)
-
-
-def _fast_tar_files(
-    f: IO[bytes], want: Callable[[str], bool] | None
-) -> Iterator[tuple[str, bytes | None]]:
-    """Minimal ustar/GNU/pax reader (regular files only); ~10x faster than tarfile."""
-    pax: dict[str, str] = {}
-    longname: str | None = None
-    while True:
-        hdr = f.read(_BLOCK)
-        if not hdr or hdr == _ZERO_BLOCK:
-            return
-        if len(hdr) != _BLOCK:
-            raise _TarFallback("truncated header")
-        if _tar_number(hdr[148:156]) != sum(hdr[:148]) + 256 + sum(hdr[156:]):
-            raise _TarFallback("bad header checksum")
-        size = _tar_number(hdr[124:136])
-        kind = hdr[156:157]
-        if kind in (b"x", b"g", b"L", b"K"):
-            data = _read_exact(f, (size + 511) & ~511)[:size]
-            if kind == b"x":
-                pax = _parse_pax(data)
-            elif kind == b"L":
-                longname = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            continue
-        if kind not in (b"0", b"\0", b"7", b"1", b"2", b"3", b"4", b"5", b"6"):
-            raise _TarFallback(f"member type {kind!r}")
-        name_b = hdr[0:100].split(b"\0", 1)[0]
-        if hdr[257:263] == b"ustar\0":  # POSIX ustar: prefix field
-            prefix = hdr[345:500].split(b"\0", 1)[0]
-            if prefix:
-                name_b = prefix + b"/" + name_b
-        name = pax.get("path") or longname or name_b.decode("utf-8", "surrogateescape")
-        if "size" in pax:
-            size = int(pax["size"])
-        pax, longname = {}, None
-        padded = (size + 511) & ~511
-        if kind in (b"0", b"\0", b"7") and not (kind == b"\0" and name.endswith("/")):
-            if want is None or want(name):
-                data = _read_exact(f, size)
-                _skip(f, padded - size)
-                yield name, data
-            else:
-                _skip(f, padded)
-                yield name, None
-        else:
-            _skip(f, padded)
-
-
-def iter_tar_files(
-    path: Path, want: Callable[[str], bool] | None = None
-) -> Iterator[tuple[str, bytes | None]]:
-    """Stream a tar (.tar, .tar.gz, .tgz, .tar.bz2, .tar.xz) once: (name, bytes) per file.
-
-    Every regular file is yielded in archive order; its bytes are read only when ``want`` is
-    None or ``want(name)`` is true (else None). A small built-in reader handles plain
-    ustar/GNU/pax archives quickly; anything else continues with :mod:`tarfile`.
-    """
-    yielded = 0
-    try:
-        with contextlib.ExitStack() as stack:
-            for item in _fast_tar_files(_open_decompressed(path, stack), want):
-                yielded += 1
-                yield item
-        return
-    except _TarFallback as exc:
-        logger.debug("fast tar reader stopped on %s (%s); continuing with tarfile", path, exc)
-    with tarfile.open(path, "r|*") as tf:
-        seen = 0
-        for member in tf:
-            if not member.isfile():
-                continue
-            seen += 1
-            if seen <= yielded:
-                continue
-            data = None
-            if want is None or want(member.name):
-                fobj = tf.extractfile(member)
-                data = fobj.read() if fobj is not None else b""
-            yield member.name, data
-
-
-def peek_archive(path: Path, max_members: int = 16) -> list[str] | None:
-    """Names of the first members of a tar archive; None if it is not a readable tar."""
-    names: list[str] = []
-    try:
-        with tarfile.open(path, "r|*") as tf:
-            for member in tf:
-                names.append(member.name)
-                if len(names) >= max_members:
-                    break
-    except (tarfile.TarError, OSError, EOFError):
-        return None
-    return names
 
 
 def _classify_archive(path: Path) -> str | None:
@@ -507,7 +321,7 @@ class _BatchUnpickler(pickle.Unpickler):
 def _unpickle(data: bytes) -> dict[Any, Any]:
     obj = _BatchUnpickler(io.BytesIO(data), encoding="bytes").load()
     if not isinstance(obj, dict):
-        raise _NotASource("CIFAR batch file does not hold a dict")
+        raise NotASource("CIFAR batch file does not hold a dict")
     return obj
 
 
@@ -530,7 +344,7 @@ def _decode_batches(
     """Official pickled batches (name -> file bytes) -> ImageDataset."""
     names = _batch_names(split, list(blobs))
     if not names:
-        raise _SplitMissing(f"{source}: the {split!r} split is not present (no batch files)")
+        raise SplitMissing(f"{source}: the {split!r} split is not present (no batch files)")
     class_names = list(CIFAR10_CLASSES)
     if "batches.meta" in blobs:
         meta_names = _get(_unpickle(blobs["batches.meta"]), "label_names")
@@ -544,7 +358,7 @@ def _decode_batches(
         if lab is None:
             lab = _get(batch, "fine_labels")
         if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or lab is None:
-            raise _NotASource(f"{source}/{name}: not a CIFAR batch (data {data.shape})")
+            raise NotASource(f"{source}/{name}: not a CIFAR batch (data {data.shape})")
         images.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))  # (n, 32, 32, 3)
         labels.append(np.asarray(lab, dtype=np.int64))
     imgs = np.ascontiguousarray(np.concatenate(images))  # (N, 32, 32, 3) uint8
@@ -558,7 +372,7 @@ def _load_batches_dir(
 ) -> ImageDataset:
     names = _batch_names(split, [p.name for p in folder.iterdir() if p.is_file()])
     if not names:
-        raise _SplitMissing(f"{folder}: the {split!r} split is not present (no batch files)")
+        raise SplitMissing(f"{folder}: the {split!r} split is not present (no batch files)")
     files = [folder / n for n in [*names, "batches.meta"] if (folder / n).is_file()]
     fp = {"files": [cache.fingerprint(f) for f in files]}
     params = {"loader": "cifar-batches", "split": split, "image_size": image_size}
@@ -638,7 +452,7 @@ def _choose_root(roots: Sequence[str], split: str | None, where: Path) -> str:
         matching = [r for r in roots if r.split("/")[-1] == split]
         if not matching:
             found = sorted({r.split("/")[-1] or "<top level>" for r in roots})
-            raise _SplitMissing(
+            raise SplitMissing(
                 f"{where}: the {split!r} split is not present "
                 f"(ImageFolder tree has only: {', '.join(found)})"
             )
@@ -681,7 +495,7 @@ def _load_image_folder_dir(
                 decoder.add((class_dir.name, entry.name), Path(entry.path).read_bytes())
     items = [(cls, fname, im) for (cls, fname), im in decoder.finish()]
     if not items:
-        raise _NotASource(f"{root}: no images in class folders")
+        raise NotASource(f"{root}: no images in class folders")
     ds = _assemble(items, image_size, root)
     _cache_store(path, ds)
     return ds
@@ -706,8 +520,8 @@ def _load_image_folder_archive(
     chosen: str | None = None
     if isinstance(manifest, list):
         if not manifest:
-            raise _NotASource(f"{archive}: no ImageFolder images in this archive")
-        chosen = _choose_root(manifest, split, archive)  # raises _SplitMissing early
+            raise NotASource(f"{archive}: no ImageFolder images in this archive")
+        chosen = _choose_root(manifest, split, archive)  # raises SplitMissing early
     params = {"loader": "imagefolder", "image_size": image_size, "split": split}
     path, hit = _cache_lookup(cache_dir, archive, fp, params)
     if hit is not None:
@@ -738,10 +552,10 @@ def _load_image_folder_archive(
         items.setdefault(root, []).append((cls, fname, im))
     cache.save_json(manifest_path, sorted(roots))
     if not roots:
-        raise _NotASource(f"{archive}: no ImageFolder images in this archive")
+        raise NotASource(f"{archive}: no ImageFolder images in this archive")
     chosen = _choose_root(sorted(roots), split, archive)
     if chosen not in items:
-        raise _NotASource(f"{archive}: no decodable images under {chosen or '<top level>'}")
+        raise NotASource(f"{archive}: no decodable images under {chosen or '<top level>'}")
     ds = _assemble(items[chosen], image_size, archive)
     _cache_store(path, ds)
     return ds
@@ -764,11 +578,11 @@ def load_image_folder(
     try:
         if src.is_file():
             if not is_archive(src) and peek_archive(src) is None:
-                raise _NotASource(f"{src}: neither a folder nor a tar archive")
+                raise NotASource(f"{src}: neither a folder nor a tar archive")
             try:
                 ds = _load_image_folder_archive(src, split, image_size, cache_dir)
             except ARCHIVE_ERRORS as exc:
-                raise _NotASource(f"{src}: unreadable tar archive ({exc})") from None
+                raise NotASource(f"{src}: unreadable tar archive ({exc})") from None
         elif src.is_dir():
             rel_roots = {
                 os.path.relpath(r, src).replace(os.sep, "/"): r
@@ -776,15 +590,15 @@ def load_image_folder(
             }
             rel_roots = {("" if k == "." else k): v for k, v in rel_roots.items()}
             if not rel_roots:
-                raise _NotASource(f"{src}: no <class>/<image> folders within two levels")
+                raise NotASource(f"{src}: no <class>/<image> folders within two levels")
             if split is not None and src.name == split and "" in rel_roots:
                 chosen = ""
             else:
                 chosen = _choose_root(sorted(rel_roots), split, src)
             ds = _load_image_folder_dir(rel_roots[chosen], image_size, cache_dir)
         else:
-            raise _NotASource(f"{src}: does not exist")
-    except _NotASource as exc:
+            raise NotASource(f"{src}: does not exist")
+    except NotASource as exc:
         raise DataNotFoundError(
             f"No ImageFolder data found at {src}", [src], IMAGE_FOLDER_HINT, [str(exc)]
         ) from None
@@ -897,13 +711,13 @@ def load_cifar10(
             if kind in ("batches-dir", "imagefolder-dir"):
                 raise
             details.append(f"{path}: unreadable tar archive ({exc})")
-        except _NotASource as exc:
+        except NotASource as exc:
             details.append(str(exc))
             logger.debug("skipping %s: %s", path, exc)
     if ds is None and download:
         try:
             ds = _load_batches_dir(_download_cifar10(root), split, image_size, cache_dir)
-        except _NotASource as exc:
+        except NotASource as exc:
             details.append(str(exc))
     if ds is None:
         missing_split = any("split is not present" in d for d in details)

@@ -24,8 +24,10 @@ from typing import Any
 import numpy as np
 
 from vit_service.data import cache
-from vit_service.data.cifar import (
+from vit_service.data.archive import (
     ARCHIVE_ERRORS,
+    NotASource,
+    SplitMissing,
     is_archive,
     iter_tar_files,
     peek_archive,
@@ -77,14 +79,6 @@ class TextDataset:
             source=self.source,
             from_cache=self.from_cache,
         )
-
-
-class _NotASource(Exception):
-    """A candidate path does not hold usable reviews (message goes to the error)."""
-
-
-class _SplitMissing(_NotASource):
-    """The source exists but lacks the requested split."""
 
 
 def clean_review(text: str) -> str:
@@ -163,7 +157,7 @@ def _load_folder(root: Path, split: str, cache_dir: str | Path | None) -> TextDa
     folders = ["unsup"] if split == "unsup" else ["neg", "pos"]
     dirs = [root / kind / f for f in folders if (root / kind / f).is_dir()]
     if not dirs:
-        raise _SplitMissing(f"{root}: the {split!r} split is not present")
+        raise SplitMissing(f"{root}: the {split!r} split is not present")
     fp = {"dirs": [cache.fingerprint(d) for d in dirs]}
     path = _cache_path(cache_dir, root, fp, split)
     hit = _load(path, root)
@@ -193,7 +187,7 @@ def _load_archive(archive: Path, split: str, cache_dir: str | Path | None) -> Te
     if isinstance(manifest, dict):
         if split not in manifest:
             found = ", ".join(sorted(manifest)) or "none"
-            raise _SplitMissing(f"{archive}: the {split!r} split is not present (has: {found})")
+            raise SplitMissing(f"{archive}: the {split!r} split is not present (has: {found})")
         hit = _load(_cache_path(cache_dir, archive, fp, split), archive)
         if hit is not None:
             return hit
@@ -212,14 +206,14 @@ def _load_archive(archive: Path, split: str, cache_dir: str | Path | None) -> Te
         records.setdefault(which, []).append((_LABELS[folder], num, rating, rid, text))
     if not records:
         cache.save_json(manifest_path, {})
-        raise _NotASource(f"{archive}: no aclImdb reviews in this archive")
+        raise NotASource(f"{archive}: no aclImdb reviews in this archive")
     datasets = {name: _build(recs, archive) for name, recs in records.items()}
     for name, ds in datasets.items():
         _store(_cache_path(cache_dir, archive, fp, name), ds)
     cache.save_json(manifest_path, {name: len(ds) for name, ds in datasets.items()})
     if split not in datasets:
         found = ", ".join(sorted(datasets))
-        raise _SplitMissing(f"{archive}: the {split!r} split is not present (has: {found})")
+        raise SplitMissing(f"{archive}: the {split!r} split is not present (has: {found})")
     return datasets[split]
 
 
@@ -305,13 +299,13 @@ def load_imdb(
             if kind == "folder":
                 raise
             details.append(f"{path}: unreadable tar archive ({exc})")
-        except _NotASource as exc:
+        except NotASource as exc:
             details.append(str(exc))
             logger.debug("skipping %s: %s", path, exc)
     if ds is None and download:
         try:
             ds = _load_archive(_download(root), split, cache_dir)
-        except _NotASource as exc:
+        except NotASource as exc:
             details.append(str(exc))
     if ds is None:
         missing_split = any("split is not present" in d for d in details)

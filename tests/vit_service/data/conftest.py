@@ -11,18 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-CIFAR10_NAMES = [
-    "airplane",
-    "automobile",
-    "bird",
-    "cat",
-    "deer",
-    "dog",
-    "frog",
-    "horse",
-    "ship",
-    "truck",
-]
+from vit_service.data import CIFAR10_CLASSES
+
+CIFAR10_NAMES = list(CIFAR10_CLASSES)  # what the official batches.meta holds
 # ImageFolder fixture: a few classes with distinct solid colours (JPEG keeps them within +-3)
 FOLDER_COLORS = {"bird": (200, 30, 30), "airplane": (30, 200, 30), "cat": (30, 30, 200)}
 FOLDER_PER_CLASS = 4
@@ -45,6 +36,7 @@ class ImageTree:
     root: Path  # the cifar10-jpeg folder
     archive: Path  # .tar.gz of cifar10-jpeg/train only (like the shared archive)
     classes: list[str] = field(default_factory=list)
+    colors: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # class -> solid RGB
 
 
 @dataclass
@@ -142,7 +134,8 @@ def image_tree(tmp_path_factory: pytest.TempPathFactory) -> ImageTree:
     with tarfile.open(archive, "w:gz") as tf:
         tf.add(root / "train", arcname="cifar10-jpeg/train")
         tf.add(root / "README.txt", arcname="cifar10-jpeg/README.txt")
-    return ImageTree(parent=parent, root=root, archive=archive, classes=sorted(FOLDER_COLORS))
+    return ImageTree(parent=parent, root=root, archive=archive, classes=sorted(FOLDER_COLORS),
+                     colors=dict(FOLDER_COLORS))
 
 
 IMDB_REVIEWS = {

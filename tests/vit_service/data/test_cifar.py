@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import io
-import logging
 import os
 import pickle
 import shutil
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +21,6 @@ from vit_service.data import (
     resolve_cache_dir,
 )
 from vit_service.data import cifar as cifar_mod
-
-FOLDER_COLORS = {"bird": (200, 30, 30), "airplane": (30, 200, 30), "cat": (30, 30, 200)}
 
 
 def _listing(folder: Path) -> list[str]:
@@ -97,13 +93,13 @@ def test_batches_refuse_foreign_pickles(tmp_path, cache_dir) -> None:
 # ----------------------------------------------------------------------------- ImageFolder
 
 
-def _check_folder_dataset(ds: ImageDataset, per_class: int) -> None:
-    classes = sorted(FOLDER_COLORS)
+def _check_folder_dataset(ds: ImageDataset, per_class: int, colors: dict) -> None:
+    classes = sorted(colors)
     assert ds.class_names == classes
     assert ds.images.shape == (per_class * len(classes), 32, 32, 3)
     np.testing.assert_array_equal(ds.labels, np.repeat(np.arange(len(classes)), per_class))
     for image, label in zip(ds.images, ds.labels, strict=True):
-        expected = np.array(FOLDER_COLORS[classes[label]])
+        expected = np.array(colors[classes[label]])
         centre = image[8:24, 8:24].reshape(-1, 3).mean(axis=0)
         assert np.abs(centre - expected).max() < 4, (classes[label], centre)
 
@@ -115,15 +111,15 @@ def test_image_folder_tree(image_tree, cache_dir, where) -> None:
         "root": image_tree.root,
         "split_dir": image_tree.root / "train",
     }[where]
-    _check_folder_dataset(load_cifar10(path, "train", cache_dir=cache_dir), 4)
+    _check_folder_dataset(load_cifar10(path, "train", cache_dir=cache_dir), 4, image_tree.colors)
     if where != "split_dir":
-        _check_folder_dataset(load_cifar10(path, "test", cache_dir=cache_dir), 2)
+        _check_folder_dataset(load_cifar10(path, "test", cache_dir=cache_dir), 2, image_tree.colors)
 
 
 def test_image_folder_archive_matches_tree(image_tree, cache_dir) -> None:
     from_tar = load_cifar10(image_tree.archive, cache_dir=cache_dir)
     from_dir = load_cifar10(image_tree.parent, cache_dir=cache_dir)
-    _check_folder_dataset(from_tar, 4)
+    _check_folder_dataset(from_tar, 4, image_tree.colors)
     np.testing.assert_array_equal(from_tar.images, from_dir.images)
     np.testing.assert_array_equal(from_tar.labels, from_dir.labels)
     # the folder holding the archive works too
@@ -164,10 +160,11 @@ def test_odd_sizes_and_modes_are_converted(tmp_path, cache_dir) -> None:
 
 def test_load_image_folder_archive_and_ambiguity(image_tree, tmp_path, cache_dir) -> None:
     ds = load_image_folder(image_tree.archive, cache_dir=cache_dir)  # single root: train
-    _check_folder_dataset(ds, 4)
+    _check_folder_dataset(ds, 4, image_tree.colors)
     with pytest.raises(ValueError, match="split="):
         load_image_folder(image_tree.root, cache_dir=cache_dir)  # train and test
-    _check_folder_dataset(load_image_folder(image_tree.root, "test", cache_dir=cache_dir), 2)
+    test = load_image_folder(image_tree.root, "test", cache_dir=cache_dir)
+    _check_folder_dataset(test, 2, image_tree.colors)
     with pytest.raises(DataNotFoundError):
         load_image_folder(tmp_path / "nope", cache_dir=cache_dir)
 
@@ -177,7 +174,7 @@ def test_folder_with_several_archives_picks_images(image_tree, imdb_tree, tmp_pa
     data.mkdir()
     shutil.copy(imdb_tree.archive, data / imdb_tree.archive.name)  # sorts first, skipped
     shutil.copy(image_tree.archive, data / "images.tar.gz")
-    _check_folder_dataset(load_cifar10(data, cache_dir=cache_dir), 4)
+    _check_folder_dataset(load_cifar10(data, cache_dir=cache_dir), 4, image_tree.colors)
 
 
 # ----------------------------------------------------------------------------- cache
@@ -278,61 +275,6 @@ def test_subset(cifar_batches, cache_dir) -> None:
     assert sub.class_names == ds.class_names
     mask = ds.labels == ds.labels[0]
     assert len(ds.subset(mask)) == int(mask.sum())
-
-
-# ----------------------------------------------------------------------------- tar reader
-
-
-def _tarfile_listing(path: Path) -> list[tuple[str, bytes]]:
-    out = []
-    with tarfile.open(path, "r:*") as tf:
-        for m in tf:
-            if m.isfile():
-                f = tf.extractfile(m)
-                out.append((m.name, f.read() if f else b""))
-    return out
-
-
-@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
-def test_fast_tar_reader_matches_tarfile(tmp_path, fmt) -> None:
-    names = ["a/b/short.jpg", "x" * 90 + "/" + "y" * 60 + "/long.png", "a/empty.txt"]
-    if fmt != tarfile.USTAR_FORMAT:
-        names.append("z" * 120 + "/" + "w" * 150 + "/very_long_ünïcode.jpg")
-    archive = tmp_path / "t.tar.gz"
-    with tarfile.open(archive, "w:gz", format=fmt) as tf:
-        for i, name in enumerate(names):
-            data = bytes(range(256)) * i
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-        d = tarfile.TarInfo("a/dir")
-        d.type = tarfile.DIRTYPE
-        tf.addfile(d)
-    got = list(cifar_mod.iter_tar_files(archive))
-    assert got == _tarfile_listing(archive)
-    assert [n for n, _ in got] == names
-    only_jpg = list(cifar_mod.iter_tar_files(archive, lambda n: n.endswith(".jpg")))
-    assert [d is not None for _, d in only_jpg] == [n.endswith(".jpg") for n in names]
-
-
-def test_tar_reader_falls_back_to_tarfile(tmp_path, caplog) -> None:
-    caplog.set_level(logging.DEBUG, logger=cifar_mod.__name__)
-    archive = tmp_path / "odd.tar"
-    with tarfile.open(archive, "w", format=tarfile.GNU_FORMAT) as tf:
-        for name, kind in (
-            ("c/1.jpg", tarfile.REGTYPE),
-            ("vol", b"V"),
-            ("c/2.jpg", tarfile.REGTYPE),
-        ):
-            info = tarfile.TarInfo(name)
-            info.type = kind
-            data = name.encode() * 3
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    got = list(cifar_mod.iter_tar_files(archive))
-    assert got == _tarfile_listing(archive)
-    assert [n for n, _ in got] == ["c/1.jpg", "c/2.jpg"]
-    assert "continuing with tarfile" in caplog.text
 
 
 def test_jpeg_shape_reads_headers() -> None:
