@@ -10,13 +10,16 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 .PHONY: setup run test lint bench clean browser
 setup: $(VENV)/.installed browser
 
-# Headless Chromium + ChromeDriver from Debian for the web-page test (skipped if not installable).
+# Debian tools the checks use: headless Chromium + ChromeDriver for the web-page test, and
+# docker-compose to validate docker/compose.yaml (each skipped with a note if not installable).
 browser:
-	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null \
+	    || ! command -v docker-compose >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	      chromium chromium-driver >/dev/null) || echo "warning: chromium not installed"; \
-	  else echo "note: install chromium and chromium-driver for the browser test"; fi; \
+	      chromium chromium-driver docker-compose >/dev/null) \
+	      || echo "warning: chromium/docker-compose not installed"; \
+	  else echo "note: install chromium, chromium-driver and docker-compose for all checks"; fi; \
 	fi
 
 $(VENV)/.installed: pyproject.toml
@@ -26,8 +29,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
+DOCKERFILES := docker/Dockerfile docker/Dockerfile.cuda docker/testing/postgres.Dockerfile
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/hadolint $(DOCKERFILES)
+	$(VENV)/bin/shellcheck docker/*.sh docker/testing/*.sh .ci/run
+	@if command -v docker-compose >/dev/null; then \
+	  docker-compose -f docker/compose.yaml --profile gpu config -q && echo "compose.yaml: valid"; \
+	elif [ -n "$$REQUIRE_COMPOSE_CHECK" ]; then echo "docker-compose is missing"; exit 1; \
+	else echo "note: docker-compose not installed, compose.yaml not validated"; fi
 
 test: setup lint
 	$(PY) -m pytest
