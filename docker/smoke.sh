@@ -38,14 +38,13 @@ log() { printf '\n[smoke %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 fail() { log "FAILED: $*"; "${compose[@]}" ps || true; "${compose[@]}" logs --tail=60 api mlflow || true; exit 1; }
 
 DATA_DIR=$(mktemp -d /tmp/vit-smoke-data.XXXXXX)
-chmod 0777 "$DATA_DIR"
+chmod 0755 "$DATA_DIR"  # the containers' uid 10001 reads it; only this user writes it
 export DATA_DIR
 cleanup() {
     if [ "${KEEP:-0}" = 1 ]; then log "KEEP=1: stack left up; data in $DATA_DIR"; return; fi
     log "tearing down"
     "${compose[@]}" down --volumes --remove-orphans >/dev/null 2>&1 || true
-    rm -rf "$DATA_DIR" 2>/dev/null || docker run --rm -v "$DATA_DIR":/d "$VIT_SERVICE_IMAGE" \
-        sh -c 'rm -rf /d/*' || true
+    rm -rf "$DATA_DIR"
 }
 trap cleanup EXIT
 

@@ -13,13 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.training.conftest import QUIET, mlflow_client, progress_events, run_artifacts
+from tests.training.conftest import QUIET, REPO, mlflow_client, progress_events, run_artifacts
 from training.checkpoint import LAST, load_checkpoint
 from training.recipes import load_recipe
 from training.trainer import EXIT_SIGTERM, train
 from vit_service.config import Settings
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
