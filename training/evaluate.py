@@ -113,8 +113,8 @@ def evaluate_bundle(
     """Evaluate a bundle folder or a registered model (``name``, ``models:/...``) on ``val``
     (the training run's deterministic split, rebuilt from the recipe stored in the bundle) or
     ``test`` (when the data has one; else :class:`DataNotFoundError`)."""
-    from training.tasks import split_indices
     from vit_service.bundle import load_bundle
+    from vit_service.data import split_indices
 
     if split not in ("val", "test"):
         raise ValueError(f"split must be val or test, got {split!r}")
@@ -138,15 +138,13 @@ def evaluate_bundle(
                              None)[1]
 
     if b.meta.task == "image":
-        from vit_service.data import load_cifar10
+        from vit_service.data import load_cifar10, load_image_folder_train
 
         if data.get("dataset") == "imagefolder":
-            from training.tasks import _load_image_folder
-
             if split != "val":
                 raise ValueError("an ImageFolder run has no test split: evaluate with "
                                  "--split val")
-            ds = _load_image_folder(data["path"], int(p["image_size"]), cache_dir)
+            ds = load_image_folder_train(data["path"], int(p["image_size"]), cache_dir)
         else:
             ds = load_cifar10(data_dir, source_split, image_size=int(p["image_size"]),
                               cache_dir=cache_dir)

@@ -35,9 +35,9 @@ from vit_service.bundle import CIFAR10_MEAN, CIFAR10_STD
 from vit_service.data import (
     ImageDataset,
     load_cifar10,
-    load_image_folder,
+    load_image_folder_train,
     load_imdb,
-    stratified_split,
+    split_indices,
 )
 from vit_service.data import cache as data_cache
 from vit_service.data.tokenizer import TextTokenizer
@@ -61,19 +61,6 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> Tensor:
     """The same permutation of ``0..n-1`` on every rank, for this (seed, epoch)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(n, generator=g)
-
-
-def split_indices(
-    labels: np.ndarray, val_size: int, split_seed: int, subset: int | None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Deterministic stratified (train, val) indices; ``subset`` keeps a stratified sample of
-    N train rows (sources are often sorted by class, so "the first N" would be one class)."""
-    val_size = min(val_size, len(labels) - 1)
-    train_idx, val_idx = stratified_split(labels, val_size, seed=split_seed)
-    if subset is not None and subset < len(train_idx):
-        _, keep = stratified_split(labels[train_idx], subset, seed=split_seed)
-        train_idx = train_idx[keep]
-    return train_idx, val_idx
 
 
 class Task:
@@ -212,7 +199,7 @@ class ImageTask(Task):
             ds = dataset
         elif d.dataset == "imagefolder":
             assert d.path is not None
-            ds = _load_image_folder(d.path, d.image_size, cache_dir)
+            ds = load_image_folder_train(d.path, d.image_size, cache_dir)
         else:
             ds = load_cifar10(data_dir, "train", image_size=d.image_size, cache_dir=cache_dir)
         self.class_names = list(ds.class_names)
@@ -486,17 +473,6 @@ class TextTask(Task):
         path = out_dir / "attention_rollout.html"
         path.write_text("\n".join(parts), encoding="utf-8")
         return path
-
-
-def _load_image_folder(path: str, image_size: int, cache_dir: str | Path | None
-                       ) -> ImageDataset:
-    """``data.path``: an ImageFolder tree or a tar of one; with several roots, its ``train``."""
-    try:
-        return load_image_folder(path, None, image_size=image_size, cache_dir=cache_dir)
-    except ValueError as e:
-        if "several ImageFolder roots" not in str(e):
-            raise
-        return load_image_folder(path, "train", image_size=image_size, cache_dir=cache_dir)
 
 
 def build_task(recipe: Recipe, dist: DistInfo, data_dir: str | Path | None,

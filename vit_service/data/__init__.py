@@ -6,15 +6,16 @@ on-disk cache (``cache_dir`` > ``$VIT_SERVICE_CACHE_DIR`` > ``~/.cache/vit-servi
 """
 
 from vit_service.data.cache import resolve_cache_dir
-from vit_service.data.cifar import (
-    CIFAR10_CLASSES,
-    ImageDataset,
-    load_cifar10,
-    load_image_folder,
-)
+from vit_service.data.cifar import CIFAR10_CLASSES, load_cifar10
 from vit_service.data.errors import DataNotFoundError
+from vit_service.data.images import ImageDataset, load_image_folder, load_image_folder_train
 from vit_service.data.imdb import IMDB_URL, TextDataset, clean_review, load_imdb
-from vit_service.data.splits import DEFAULT_VAL_IMAGES, DEFAULT_VAL_REVIEWS, stratified_split
+from vit_service.data.splits import (
+    DEFAULT_VAL_IMAGES,
+    DEFAULT_VAL_REVIEWS,
+    split_indices,
+    stratified_split,
+)
 from vit_service.data.tokenizer import (
     SPECIAL_TOKENS,
     Encoded,
@@ -36,8 +37,10 @@ __all__ = [
     "clean_review",
     "load_cifar10",
     "load_image_folder",
+    "load_image_folder_train",
     "load_imdb",
     "resolve_cache_dir",
+    "split_indices",
     "stratified_split",
     "train_tokenizer",
 ]

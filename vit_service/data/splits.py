@@ -43,3 +43,18 @@ def stratified_split(
     is_val[val] = True
     train = np.flatnonzero(~is_val)
     return train.astype(np.int64), val.astype(np.int64)
+
+
+def split_indices(
+    labels: np.ndarray, val_size: int, split_seed: int, subset: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """A training run's deterministic stratified (train, val) indices (``data.val_size``,
+    ``data.split_seed``, ``data.subset``); ``val_size`` is capped at ``N - 1``. ``subset`` keeps a
+    stratified sample of N train rows (sources are often sorted by class, so "the first N"
+    would be one class)."""
+    val_size = min(val_size, len(labels) - 1)
+    train_idx, val_idx = stratified_split(labels, val_size, seed=split_seed)
+    if subset is not None and subset < len(train_idx):
+        _, keep = stratified_split(labels[train_idx], subset, seed=split_seed)
+        train_idx = train_idx[keep]
+    return train_idx, val_idx

@@ -1,4 +1,5 @@
-"""CIFAR-10 / ImageFolder loading, caching and error reporting."""
+"""CIFAR-10 / ImageFolder loading (``cifar`` and ``images`` modules), caching and error
+reporting."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from vit_service.data import (
     ImageDataset,
     load_cifar10,
     load_image_folder,
+    load_image_folder_train,
     resolve_cache_dir,
 )
 from vit_service.data import cifar as cifar_mod
+from vit_service.data import images as images_mod
 
 
 def _listing(folder: Path) -> list[str]:
@@ -129,7 +132,7 @@ def test_image_folder_archive_matches_tree(image_tree, cache_dir) -> None:
 
 def test_fast_jpeg_path_equals_pil(image_tree, cache_dir, monkeypatch) -> None:
     fast = load_cifar10(image_tree.archive, cache_dir=cache_dir / "a")
-    monkeypatch.setattr(cifar_mod, "USE_TORCHVISION_JPEG", False)
+    monkeypatch.setattr(images_mod, "USE_TORCHVISION_JPEG", False)
     slow = load_cifar10(image_tree.archive, cache_dir=cache_dir / "b")
     assert not slow.from_cache
     np.testing.assert_array_equal(fast.images, slow.images)
@@ -169,6 +172,14 @@ def test_load_image_folder_archive_and_ambiguity(image_tree, tmp_path, cache_dir
         load_image_folder(tmp_path / "nope", cache_dir=cache_dir)
 
 
+def test_load_image_folder_train_picks_train_root(image_tree, cache_dir) -> None:
+    # several roots (train, test): the train one; a single root: that one
+    _check_folder_dataset(load_image_folder_train(image_tree.root, cache_dir=cache_dir), 4,
+                          image_tree.colors)
+    _check_folder_dataset(load_image_folder_train(image_tree.root / "test", cache_dir=cache_dir),
+                          2, image_tree.colors)
+
+
 def test_folder_with_several_archives_picks_images(image_tree, imdb_tree, tmp_path, cache_dir):
     data = tmp_path / "data"
     data.mkdir()
@@ -186,8 +197,8 @@ def test_cache_hit_does_not_read_source(image_tree, cache_dir, monkeypatch) -> N
     assert not first.from_cache
     assert _listing(image_tree.archive.parent) == before  # nothing written next to the data
     assert any(cache_dir.rglob("*.npz"))
-    monkeypatch.setattr(cifar_mod, "iter_tar_files", _fail)
-    monkeypatch.setattr(cifar_mod, "decode_image", _fail)
+    monkeypatch.setattr(images_mod, "iter_tar_files", _fail)
+    monkeypatch.setattr(images_mod, "decode_image", _fail)
     second = load_cifar10(image_tree.archive, cache_dir=cache_dir)
     assert second.from_cache
     np.testing.assert_array_equal(second.images, first.images)
@@ -199,7 +210,7 @@ def test_cache_hit_for_folders(cifar_batches, image_tree, cache_dir, monkeypatch
     a = load_cifar10(cifar_batches.folder, cache_dir=cache_dir)
     b = load_cifar10(image_tree.root, cache_dir=cache_dir)
     monkeypatch.setattr(cifar_mod, "_decode_batches", _fail)
-    monkeypatch.setattr(cifar_mod, "_Decoder", _fail)
+    monkeypatch.setattr(images_mod, "_Decoder", _fail)
     a2 = load_cifar10(cifar_batches.folder, cache_dir=cache_dir)
     b2 = load_cifar10(image_tree.root, cache_dir=cache_dir)
     assert a2.from_cache and b2.from_cache
@@ -283,12 +294,12 @@ def test_jpeg_shape_reads_headers() -> None:
         Image.new(mode, size).save(buf, "JPEG", **kw)
         return buf.getvalue()
 
-    assert cifar_mod.jpeg_shape(jpeg((32, 32), "RGB")) == (32, 32, 3)
-    assert cifar_mod.jpeg_shape(jpeg((640, 480), "RGB", progressive=True)) == (480, 640, 3)
-    assert cifar_mod.jpeg_shape(jpeg((33, 17), "L")) == (17, 33, 1)
-    assert cifar_mod.jpeg_shape(jpeg((10, 10), "CMYK")) == (10, 10, 4)
-    assert cifar_mod.jpeg_shape(b"\x89PNG\r\n") is None
-    assert cifar_mod.jpeg_shape(jpeg((32, 32), "RGB")[:40]) is None  # truncated
+    assert images_mod.jpeg_shape(jpeg((32, 32), "RGB")) == (32, 32, 3)
+    assert images_mod.jpeg_shape(jpeg((640, 480), "RGB", progressive=True)) == (480, 640, 3)
+    assert images_mod.jpeg_shape(jpeg((33, 17), "L")) == (17, 33, 1)
+    assert images_mod.jpeg_shape(jpeg((10, 10), "CMYK")) == (10, 10, 4)
+    assert images_mod.jpeg_shape(b"\x89PNG\r\n") is None
+    assert images_mod.jpeg_shape(jpeg((32, 32), "RGB")[:40]) is None  # truncated
 
 
 def test_damaged_archive_is_reported(image_tree, tmp_path, cache_dir) -> None:

@@ -7,7 +7,12 @@ import random
 import numpy as np
 import pytest
 
-from vit_service.data import DEFAULT_VAL_IMAGES, DEFAULT_VAL_REVIEWS, stratified_split
+from vit_service.data import (
+    DEFAULT_VAL_IMAGES,
+    DEFAULT_VAL_REVIEWS,
+    split_indices,
+    stratified_split,
+)
 
 
 def _labels() -> np.ndarray:
@@ -65,3 +70,19 @@ def test_invalid_arguments() -> None:
         stratified_split(np.zeros(5), -1)
     with pytest.raises(ValueError):
         stratified_split(np.zeros((2, 2)), 1)
+
+
+def test_split_indices_of_a_run() -> None:
+    labels = _labels()  # 100 rows, 4 classes
+    train, val = split_indices(labels, 20, 3, None)
+    np.testing.assert_array_equal(val, stratified_split(labels, 20, seed=3)[1])
+    _check(labels, 20, train, val)
+    # subset: a stratified sample of the train part, val unchanged
+    sub, val2 = split_indices(labels, 20, 3, 40)
+    np.testing.assert_array_equal(val2, val)
+    assert len(sub) == 40 and set(sub) <= set(train)
+    assert len(np.unique(labels[sub])) == 4
+    assert len(split_indices(labels, 20, 3, 1000)[0]) == 80  # subset >= train part: all
+    # val_size is capped so that one train row remains
+    train, val = split_indices(labels, 500, 0, None)
+    assert len(train) == 1 and len(val) == 99

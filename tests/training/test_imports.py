@@ -1,0 +1,47 @@
+"""The evaluation/reporting/task modules import in one direction: evaluate <- reporting <- tasks.
+
+Checked on the source with ``ast`` (imports inside functions included), so a lazy import that
+closes the circle again fails here even though Python would tolerate it at run time.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from tests.training.conftest import REPO
+
+
+def imported_modules(module: str) -> set[str]:
+    """Every module ``module`` imports anywhere in its source (``from a import b`` gives ``a``
+    and ``a.b``, since ``b`` may be a submodule)."""
+    path = REPO / (module.replace(".", "/") + ".py")
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the module's package
+                base = module.rsplit(".", node.level)[0]
+                name = f"{base}.{node.module}" if node.module else base
+            else:
+                name = node.module or ""
+            found.add(name)
+            found.update(f"{name}.{alias.name}" for alias in node.names)
+    return found
+
+
+@pytest.mark.parametrize(("module", "forbidden"), [
+    ("training.evaluate", {"training.tasks", "training.reporting"}),
+    ("training.reporting", {"training.tasks"}),
+])
+def test_no_import_cycle(module: str, forbidden: set[str]) -> None:
+    bad = sorted(m for m in imported_modules(module)
+                 if any(m == f or m.startswith(f"{f}.") for f in forbidden))
+    assert not bad, f"{module} imports {bad}: evaluate <- reporting <- tasks only"
+
+
+def test_the_checker_sees_lazy_imports() -> None:
+    # tasks imports evaluate at the top and reporting inside functions
+    assert {"training.evaluate", "training.reporting"} <= imported_modules("training.tasks")
