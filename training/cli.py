@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 EXIT_USAGE = 2
@@ -86,16 +88,22 @@ def cmd_train(args: argparse.Namespace) -> int:
             resume_overrides["max_steps"] = args.max_steps
         if args.device is not None:
             resume_overrides["device"] = args.device
-        if args.resume:
-            bad = [k for k in overrides if k not in RESUME_KEYS]
-            if bad:
-                raise RecipeError(
-                    "--resume continues the checkpoint's recipe; only execution settings may "
-                    f"change ({', '.join(sorted(RESUME_KEYS))})", [(k, "not allowed") for k in bad])
-            resume_overrides.update(overrides)
         recipe = load_recipe(args.recipe, {} if args.resume else {**overrides,
                                                                     **resume_overrides})
-    except RecipeError as e:
+        if args.resume:
+            # the checkpoint's recipe is used: other keys may only repeat its values (the
+            # command line that started the run, re-run with --resume auto after a kill)
+            fixed = {k: v for k, v in overrides.items() if k not in RESUME_KEYS}
+            if fixed:
+                changed = resume_conflicts(
+                    _checkpoint_recipe(settings, args.resume, args.run_name, recipe.name), fixed)
+                if changed:
+                    raise RecipeError(
+                        "--resume continues the checkpoint's recipe; only execution settings "
+                        f"may change ({', '.join(sorted(RESUME_KEYS))}), other keys only "
+                        "repeat the checkpoint's values", changed)
+            resume_overrides.update({k: v for k, v in overrides.items() if k in RESUME_KEYS})
+    except (RecipeError, FileNotFoundError) as e:
         return _fail(str(e))
 
     from training.trainer import train
@@ -109,6 +117,59 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (RecipeError, FileNotFoundError) as e:
         return _fail(str(e))
     return result.exit_code
+
+
+_MISSING = object()
+
+
+def resume_conflicts(ckpt_recipe: Mapping[str, Any], overrides: Mapping[str, Any]
+                     ) -> list[tuple[str, str]]:
+    """``(key, message)`` for each dotted override that would change the checkpoint's recipe
+    (``ckpt["recipe"]``); execution settings (:data:`RESUME_KEYS`) and overrides whose parsed
+    value equals the checkpoint's are not conflicts."""
+    from training.recipes import parse_value
+
+    out: list[tuple[str, str]] = []
+    for key, value in overrides.items():
+        if key in RESUME_KEYS:
+            continue
+        want = parse_value(value)
+        have = _lookup(ckpt_recipe, key)
+        if have is _MISSING:
+            out.append((key, f"not in the checkpoint's recipe (requested {want!r})"))
+        elif not _same_value(have, want):
+            out.append((key, f"the checkpoint has {have!r}, requested {want!r}"))
+    return out
+
+
+def _lookup(d: Mapping[str, Any], key: str) -> Any:
+    """The value at dotted ``key`` (a leaf, or a whole table), or ``_MISSING``."""
+    node: Any = d
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal as recipe values: ``6 == 6.0`` and ``[1, 2] == (1, 2)``, but a bool is not 1/0."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _checkpoint_recipe(settings: Any, resume: str, run_name: str | None, recipe_name: str
+                       ) -> Mapping[str, Any]:
+    """The recipe stored in the checkpoint ``--resume`` designates (found as the trainer does)."""
+    from training.checkpoint import find_checkpoint, load_checkpoint
+
+    path = find_checkpoint(Path(settings.home) / "runs", str(resume), run_name, recipe_name)
+    return load_checkpoint(path)["recipe"]
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
