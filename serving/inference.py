@@ -144,10 +144,11 @@ def run_text_jobs(model: LoadedModel, jobs: list[TextJob]) -> list[JobOutput | E
     net, meta, tok = model.bundle.model, model.bundle.meta, model.bundle.tokenizer
     outputs: list[JobOutput | Exception] = [InvalidRequestError("not run")] * len(jobs)
     max_len = int(meta.preprocess["max_len"])
+    truncation = meta.preprocess.get("truncation", "head")  # as the model was trained
     for need_attn, idxs in _groups(list(jobs)).items():
         try:
             texts = [t for i in idxs for t in jobs[i].texts]
-            enc = tok.encode_batch(texts, max_len)  # [CLS] + pieces, right-padded
+            enc = tok.encode_batch(texts, max_len, truncation)  # [CLS] + pieces, padded
             ids, mask = enc.input_ids, enc.attention_mask  # (B, T), (B, T) True = real
             with torch.inference_mode():
                 if need_attn:

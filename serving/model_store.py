@@ -111,6 +111,7 @@ class LoadedModel:
                     "content_types": ["multipart/form-data", *IMAGE_CONTENT_TYPES]}
         tok = self.bundle.tokenizer
         return {"type": "text", "max_len": int(p["max_len"]),
+                "truncation": p.get("truncation", "head"),
                 "vocab_size": tok.vocab_size if tok is not None else None}
 
 

@@ -154,6 +154,8 @@ class InputSpec(BaseModel):
     patch_grid: tuple[int, int] | None = None
     content_types: list[str] | None = None
     max_len: int | None = Field(None, description="texts are truncated to max_len tokens")
+    truncation: Literal["head", "head_tail"] | None = Field(
+        None, description="what truncation keeps: the first tokens, or the first and the last")
     vocab_size: int | None = None
 
 

@@ -111,12 +111,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         result = train(recipe, data_dir=data_dir, run_name=args.run_name, resume=args.resume,
                        resume_overrides=resume_overrides, tracking_uri=args.tracking_uri,
-                       register=not args.no_register, settings=settings)
+                       register=not args.no_register, settings=settings,
+                       started_at=process_started_at())
     except DataNotFoundError as e:
         return _fail(str(e))
     except (RecipeError, FileNotFoundError) as e:
         return _fail(str(e))
     return result.exit_code
+
+
+def process_started_at() -> float:
+    """This process's start on the ``time.monotonic()`` clock: a ``budget_minutes`` run counts
+    its interpreter start-up and imports too."""
+    import time
+
+    try:
+        import psutil
+
+        age = time.time() - psutil.Process().create_time()
+    except Exception:  # psutil missing or no /proc: count from here
+        age = 0.0
+    return time.monotonic() - max(0.0, age)
 
 
 _MISSING = object()

@@ -164,7 +164,8 @@ def evaluate_bundle(
         labels = np.asarray(tds.labels)
         rows = val_rows(labels)
         ids, lengths = b.tokenizer.encode_to_arrays([tds.texts[i] for i in rows],
-                                                    int(p["max_len"]))
+                                                    int(p["max_len"]),
+                                                    truncation=p.get("truncation", "head"))
         order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
 
         def batches() -> Iterable[_B]:

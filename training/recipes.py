@@ -78,6 +78,9 @@ class DataSpec(_Strict):
     vocab_size: int | None = Field(None, ge=64, description="text: subword vocabulary size")
     max_len: int | None = Field(None, ge=8, description="text: tokens per review incl. [CLS]")
     length_buckets: bool = Field(True, description="text: batch reviews of similar length")
+    truncation: Literal["head", "head_tail"] = Field(
+        "head", description="text: keep the first max_len tokens, or the first quarter and the "
+        "last three quarters of them (saved with the model: serving truncates the same way)")
     include_unsup: bool = Field(
         False, description="imdb + objective mlm: also pretrain on the 50,000 unlabelled reviews"
     )
@@ -95,12 +98,18 @@ class DataSpec(_Strict):
 
 class OptimSpec(_Strict):
     lr: float = Field(gt=0, description="peak learning rate (for the global batch)")
-    min_lr: float = Field(0.0, ge=0, description="cosine floor")
+    min_lr: float = Field(0.0, ge=0, description="the lr of the last update (decay floor)")
+    schedule: Literal["cosine", "linear"] = Field(
+        "cosine", description="decay after warm-up, to min_lr at the last update; linear decay "
+        "to zero is best under a fixed time budget (Li et al. 2020)")
     weight_decay: float = Field(0.05, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
     warmup_epochs: float | None = Field(None, ge=0)
     warmup_steps: int | None = Field(None, ge=0)
+    warmup_fraction: float | None = Field(
+        None, ge=0, lt=1, description="warm-up as a share of all updates (with budget_minutes: "
+        "of the planned ones)")
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     grad_clip: float | None = Field(None, gt=0, description="max global grad norm; null = off")
     ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of weights; null = off")
@@ -111,8 +120,9 @@ class OptimSpec(_Strict):
 
     @model_validator(mode="after")
     def _one_warmup(self) -> OptimSpec:
-        if self.warmup_epochs is not None and self.warmup_steps is not None:
-            raise ValueError("set warmup_epochs or warmup_steps, not both")
+        if sum(w is not None for w in (self.warmup_epochs, self.warmup_steps,
+                                       self.warmup_fraction)) > 1:
+            raise ValueError("set one of warmup_epochs, warmup_steps, warmup_fraction")
         return self
 
 
@@ -139,6 +149,11 @@ class InitSpec(_Strict):
     timm_file: str | None = Field(
         None, description="local weights file for init.timm (offline); null = the hub"
     )
+    whiten_patches: bool = Field(
+        False, description="from scratch, ViT: the first conv's filters = PCA whitening of "
+        "training patches")
+    mimetic: bool = Field(
+        False, description="from scratch: mimetic attention init (W_q W_k^T ~ I, W_v W_o ~ -I)")
 
     @model_validator(mode="after")
     def _check(self) -> InitSpec:
@@ -148,6 +163,9 @@ class InitSpec(_Strict):
             raise ValueError("init.timm_file needs init.timm (the model name)")
         if self.from_ is not None:
             check_init_source(self.from_)
+        if self.enabled and (self.whiten_patches or self.mimetic):
+            raise ValueError("init.whiten_patches and init.mimetic are for training from "
+                             "scratch, not with init.from / init.timm")
         return self
 
     @property
@@ -231,6 +249,10 @@ class Recipe(_Strict):
     max_steps: int | None = Field(
         None, ge=1, description="stop after N steps; the schedule still spans `epochs`"
     )
+    budget_minutes: float | None = Field(
+        None, gt=0, le=7 * 24 * 60, description="wall-clock budget of the whole run (start-up, "
+        "evaluations and publishing included): the trainer measures its throughput and sizes "
+        "the schedule to end on time; `epochs` is then ignored")
     log_every: int = Field(20, ge=1, description="steps between train metric logs")
     attention_samples: int = Field(8, ge=0, description="val examples in the attention sheet")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (CPU)")
@@ -283,6 +305,8 @@ class Recipe(_Strict):
                 raise ValueError("freeze_encoder is for objective classify (a linear probe)")
             if self.init.timm is not None:
                 raise ValueError("init.timm is for objective classify")
+        if self.init.whiten_patches and not is_vit:
+            raise ValueError("init.whiten_patches needs a ViT")
         if self.init.timm is not None and not is_vit:
             raise ValueError("init.timm loads ViT weights: use a ViT model")
         if obj == "mae" and self.mae is not None:

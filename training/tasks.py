@@ -220,6 +220,13 @@ class ImageTask(Task):
         log.info("%s: %d train / %d val images, %d classes (%s), resident on %s", d.dataset,
                  self.n_train, self.n_val, self.num_classes, ds.source, self.device)
 
+    def sample_train_images(self, n: int) -> Tensor:
+        """``n`` training images (a fixed sample), normalised as in training: ``(n, 3, H, W)``."""
+        g = torch.Generator().manual_seed(self.recipe.seed)
+        rows = torch.randperm(self.n_train, generator=g)[: min(n, self.n_train)]
+        return normalize(self.train_x[rows.to(self.device)], self.augment.mean,
+                         self.augment.std)
+
     def train_batch(self, epoch: int, index: int) -> Batch:
         idx = self._rank_slice(self._global_batches(epoch)[index]).to(self.device)
         x = self.augment(self.train_x[idx], train=True)  # (B, 3, H, W) float
@@ -327,6 +334,7 @@ class TextTask(Task):
         self.n_train, self.n_val = len(train_labels), len(val_idx)
         params = {"n": len(ds), "val_size": d.val_size, "split_seed": d.split_seed,
                   "subset": d.subset, "vocab_size": d.vocab_size, "max_len": d.max_len,
+                  "truncation": d.truncation,
                   "labels": hashlib.sha1(labels.tobytes()).hexdigest()}
         if d.include_unsup:
             params["unsup"] = len(unsup_texts)
@@ -346,8 +354,10 @@ class TextTask(Task):
             else:
                 self._tokenizer = TextTokenizer.train(train_texts, vocab_size=d.vocab_size)
             t1 = time.perf_counter()
-            tr_ids, tr_len = self._tokenizer.encode_to_arrays(train_texts, d.max_len)
-            va_ids, va_len = self._tokenizer.encode_to_arrays(self.val_texts, d.max_len)
+            tr_ids, tr_len = self._tokenizer.encode_to_arrays(train_texts, d.max_len,
+                                                              truncation=d.truncation)
+            va_ids, va_len = self._tokenizer.encode_to_arrays(self.val_texts, d.max_len,
+                                                              truncation=d.truncation)
             arrays = {"train_ids": tr_ids, "train_len": tr_len, "val_ids": va_ids,
                       "val_len": va_len}
             log.info("imdb: tokenizer (vocab %d) ready in %.1fs, %d reviews encoded in %.1fs",
@@ -440,7 +450,7 @@ class TextTask(Task):
             yield self._make_batch(self.val_ids[dev_idx], self.val_len[idx], self.val_y[dev_idx])
 
     def bundle_preprocess(self) -> dict[str, Any]:
-        return {"max_len": self.max_len}
+        return {"max_len": self.max_len, "truncation": self.recipe.data.truncation}
 
     @torch.no_grad()
     def attention_report(self, model: nn.Module, out_dir: Path, n: int) -> Path | None:
@@ -449,7 +459,8 @@ class TextTask(Task):
         if n <= 0:
             return None
         rows = np.linspace(0, self.n_val - 1, min(n, self.n_val)).astype(int).tolist()
-        enc = self._tokenizer.encode_batch([self.val_texts[i] for i in rows], self.max_len)
+        enc = self._tokenizer.encode_batch([self.val_texts[i] for i in rows], self.max_len,
+                                           self.recipe.data.truncation)
         ids, mask = enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
         logits, attn = model.forward_with_attention(ids, mask)
         probs = logits.float().softmax(-1).cpu()

@@ -19,10 +19,8 @@ with the same step count, optimiser, schedule, RNG states and MLflow run.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
-import math
 import random
 import signal
 import threading
@@ -58,6 +56,16 @@ from training.init import (
     load_encoder,
     resolve_init,
 )
+from training.optim import (  # noqa: F401 (CosineWarmup, lr_at, layer_id: re-exported)
+    BudgetPlanner,
+    CosineWarmup,
+    LrSchedule,
+    ModelEma,
+    build_optimizer,
+    layer_id,
+    lr_at,
+    param_groups,
+)
 from training.progress import Progress
 from training.recipes import Recipe, apply_overrides, validate_recipe
 from training.tasks import Batch, Task, build_task
@@ -68,54 +76,15 @@ from vit_service.models import config_to_dict, count_parameters
 log = logging.getLogger(__name__)
 
 EXIT_SIGTERM, EXIT_SIGINT = 143, 130
+# budget mode: seconds kept free at the end, besides the last evaluation, for the checkpoint,
+# the artifacts, the bundle and the registration (measured: 2-5 s on 2 CPU cores), plus 1 % of
+# the budget as a margin for the noise in the throughput estimate
+PUBLISH_RESERVE_S = 5.0
+WHITEN_IMAGES = 5000  # training images whose patches set init.whiten_patches
+BUDGET_MARGIN = 0.01
 
 
-# ----------------------------------------------------------------------------- optimisation
-
-
-EMBEDDING_PARAMS = ("patch_embed.", "cls_token", "pos_embed", "tok_embed.")
-
-
-def layer_id(name: str, num_layers: int) -> int:
-    """Depth of a parameter for layer-wise lr decay: embeddings 0, ``blocks.i`` i + 1, the rest
-    (final norm, head; an MAE/MLM decoder) ``num_layers + 1``. An ``encoder.`` prefix (MAE,
-    MLM) is ignored."""
-    name = name.removeprefix("encoder.")
-    if name.startswith(EMBEDDING_PARAMS):
-        return 0
-    if name.startswith("blocks."):
-        return int(name.split(".")[1]) + 1
-    return num_layers + 1
-
-
-def param_groups(model: nn.Module, weight_decay: float,
-                 layer_decay: float | None = None) -> list[dict[str, Any]]:
-    """AdamW groups of the trainable parameters: decayed (weight matrices) and not decayed
-    (norms, biases, and the names in ``model.no_weight_decay()`` such as ``cls_token``,
-    ``pos_embed``). Without ``layer_decay``: those two groups. With it: one pair per depth
-    (:func:`layer_id`), each with ``lr_scale = layer_decay ** (L + 1 - depth)`` (the scheduler
-    multiplies its lr by it) and a ``name`` like ``layer3_decay``. Frozen parameters
-    (``requires_grad=False``) are left out."""
-    skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
-    blocks = getattr(encoder_of(model), "blocks", None)
-    num_layers = len(blocks) if blocks is not None else 0
-    groups: dict[tuple[int, bool], dict[str, Any]] = {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        no_wd = p.ndim <= 1 or name.endswith(".bias") or name in skip
-        lid = layer_id(name, num_layers) if layer_decay is not None else 0
-        key = (lid, no_wd)
-        if key not in groups:
-            groups[key] = {"params": [], "weight_decay": 0.0 if no_wd else weight_decay}
-            if layer_decay is not None:
-                groups[key]["lr_scale"] = layer_decay ** (num_layers + 1 - lid)
-                groups[key]["name"] = f"layer{lid}_{'no_decay' if no_wd else 'decay'}"
-        groups[key]["params"].append(p)
-    if layer_decay is None:
-        return [groups.get((0, False), {"params": [], "weight_decay": weight_decay}),
-                groups.get((0, True), {"params": [], "weight_decay": 0.0})]
-    return [groups[k] for k in sorted(groups)]
+# ----------------------------------------------------------------------------- steps
 
 
 def freeze_encoder(model: nn.Module) -> int:
@@ -127,82 +96,6 @@ def freeze_encoder(model: nn.Module) -> int:
     if n == 0:
         raise ValueError("freeze_encoder: the model has no head.* parameters")
     return n
-
-
-def lr_at(step: int, base_lr: float, total_steps: int, warmup_steps: int,
-          min_lr: float = 0.0) -> float:
-    """Learning rate of update ``step`` (0-based): linear warm-up to ``base_lr`` over
-    ``warmup_steps`` (``base_lr * (step + 1) / warmup``), then cosine down to ``min_lr`` at
-    ``total_steps``."""
-    if step < warmup_steps:
-        return base_lr * (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    progress = min(1.0, progress)
-    return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-class CosineWarmup:
-    """Per-step schedule setting every group's lr to :func:`lr_at` of the current step, times
-    the group's ``lr_scale`` (layer-wise decay; 1 when absent).
-
-    ``state_dict`` is plain ints/floats (checkpoint-safe)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, base_lr: float, total_steps: int,
-                 warmup_steps: int, min_lr: float = 0.0) -> None:
-        self.optimizer, self.base_lr, self.min_lr = optimizer, base_lr, min_lr
-        self.total_steps, self.warmup_steps = total_steps, warmup_steps
-        self.step_num = 0
-
-    def apply(self) -> float:
-        lr = lr_at(self.step_num, self.base_lr, self.total_steps, self.warmup_steps, self.min_lr)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr * g.get("lr_scale", 1.0)
-        return lr
-
-    def step(self) -> None:
-        self.step_num += 1
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step_num, "base_lr": self.base_lr, "min_lr": self.min_lr,
-                "total_steps": self.total_steps, "warmup_steps": self.warmup_steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step_num = int(state["step"])
-
-
-class ModelEma:
-    """Exponential moving average of a model's weights (float params and buffers).
-
-    The decay warms up as ``min(decay, (1 + n) / (10 + n))`` after ``n`` updates, so the average
-    is useful early in short runs too."""
-
-    def __init__(self, model: nn.Module, decay: float) -> None:
-        self.module = copy.deepcopy(model).eval()
-        for p in self.module.parameters():
-            p.requires_grad_(False)
-        self.decay = decay
-        self.updates = 0
-
-    @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
-        self.updates += 1
-        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
-        ema_f, cur_f = [], []
-        for e, m in zip(self.module.state_dict().values(), model.state_dict().values(),
-                        strict=True):
-            if e.is_floating_point():
-                ema_f.append(e)
-                cur_f.append(m.detach())
-            else:
-                e.copy_(m)
-        torch._foreach_lerp_(ema_f, cur_f, 1.0 - d)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"module": self.module.state_dict(), "updates": self.updates}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["module"])
-        self.updates = int(state["updates"])
 
 
 def soft_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
@@ -321,10 +214,14 @@ def prepare_run(
     mlflow_enabled: bool = True,
     settings: Settings | None = None,
     progress: Progress | None = None,
+    started_at: float | None = None,
 ) -> _Run:
     """Everything :func:`train` does before the first step (data, the model with its initial
     weights, the optimiser); ``.run()`` trains. Nothing is logged to MLflow before that, so the
-    initial model can be inspected (``.model``, ``.lineage``)."""
+    initial model can be inspected (``.model``, ``.lineage``). ``started_at``
+    (``time.monotonic()`` seconds) is when the run's wall clock starts for ``budget_minutes``
+    (the CLI passes its process's start; default: now)."""
+    started_at = time.monotonic() if started_at is None else started_at
     settings = settings or get_settings()
     runs_dir = Path(settings.home) / "runs"
     ckpt: dict[str, Any] | None = None
@@ -339,14 +236,15 @@ def prepare_run(
     if not dist.is_main:  # rank 0 alone reports
         logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
     return _Run(recipe, dist, settings, data_dir, run_name, ckpt, tracking_uri, register,
-                mlflow_enabled, progress)
+                mlflow_enabled, progress, started_at)
 
 
 class _Run:
     def __init__(self, recipe: Recipe, dist: DistInfo, settings: Settings,
                  data_dir: str | Path | None, run_name: str | None,
                  ckpt: dict[str, Any] | None, tracking_uri: str | None, register: bool,
-                 mlflow_enabled: bool, progress: Progress | None) -> None:
+                 mlflow_enabled: bool, progress: Progress | None,
+                 started_at: float | None = None) -> None:
         self.recipe, self.dist, self.settings, self.ckpt = recipe, dist, settings, ckpt
         self.register, self.device = register, dist.device
         if recipe.threads:
@@ -392,6 +290,8 @@ class _Run:
             model = self.task.build_model()
         if self.init_source is not None:
             load_encoder(encoder_of(model), self.init_source)
+        if ckpt is None:
+            self._structured_init(model)
         if recipe.freeze_encoder:
             log.info("freeze_encoder: training the head only (%d parameters)",
                      freeze_encoder(model))
@@ -399,15 +299,20 @@ class _Run:
         self.model_config = config_to_dict(encoder_of(self.model).config)
         o = recipe.optim
         self.ema = ModelEma(self.model, o.ema_decay) if o.ema_decay else None
-        self.optimizer = torch.optim.AdamW(
-            param_groups(self.model, o.weight_decay, o.layer_decay), lr=o.lr, betas=o.betas,
-            eps=o.eps, fused=cuda or None)
+        self.optimizer = build_optimizer(self.model, o.lr, o.weight_decay, o.betas, o.eps,
+                                         o.layer_decay, fused=cuda)
         self.steps_per_epoch = self.task.steps_per_epoch()
         self.total_steps = recipe.epochs * self.steps_per_epoch
-        warmup = o.warmup_steps if o.warmup_steps is not None else round(
-            (o.warmup_epochs or 0.0) * self.steps_per_epoch)
-        self.scheduler = CosineWarmup(self.optimizer, o.lr, self.total_steps,
-                                      min(warmup, self.total_steps), o.min_lr)
+        warmup = self._warmup_steps(self.total_steps)
+        self.scheduler = LrSchedule(self.optimizer, o.lr, self.total_steps,
+                                    min(warmup, self.total_steps), o.min_lr, o.schedule)
+        # budget mode: the planner re-sizes total_steps from the measured throughput
+        self.budget: BudgetPlanner | None = None
+        if recipe.budget_minutes is not None:
+            self.budget = BudgetPlanner(recipe.budget_minutes * 60.0,
+                                        started_at or time.monotonic(),
+                                        reserve_s=self._budget_reserve(0.0))
+        self._budget_logged = False
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.last_eval: EvalResult | LossResult | None = None
         self.last_eval_step = -1
@@ -428,6 +333,26 @@ class _Run:
         self.stop = _StopFlag()
 
     # ------------------------------------------------------------------ set-up
+
+    def _warmup_steps(self, total_steps: int) -> int:
+        o = self.recipe.optim
+        if o.warmup_steps is not None:
+            return o.warmup_steps
+        if o.warmup_fraction is not None:
+            return round(o.warmup_fraction * total_steps)
+        return round((o.warmup_epochs or 0.0) * self.steps_per_epoch)
+
+    def _structured_init(self, model: nn.Module) -> None:
+        """``init.whiten_patches`` / ``init.mimetic`` on a model trained from scratch."""
+        from vit_service.models.initializers import mimetic_init_, whiten_patch_embed_
+
+        spec, enc = self.recipe.init, encoder_of(model)
+        if spec.mimetic:
+            g = torch.Generator().manual_seed(self.recipe.seed)
+            log.info("mimetic attention init: %d layers", mimetic_init_(enc, generator=g))
+        if spec.whiten_patches:
+            images = self.task.sample_train_images(WHITEN_IMAGES)  # type: ignore[attr-defined]
+            whiten_patch_embed_(enc, images.cpu())
 
     def _start_tracking(self) -> str | None:
         r = self.recipe
@@ -463,6 +388,10 @@ class _Run:
             self.ema.load_state_dict(ck["ema"])
         self.optimizer.load_state_dict(ck["optimizer"])
         self.scheduler.load_state_dict(ck["scheduler"])
+        if self.budget is not None and ck.get("budget"):
+            self.budget.load_state_dict(ck["budget"])
+        if self.budget is not None or ck["scheduler"].get("total_steps"):
+            self.total_steps = self.scheduler.total_steps
         self.step, self.epoch = int(ck["step"]), int(ck["epoch"])
         self.batch_in_epoch = int(ck["batch_in_epoch"])
         rngs = ck.get("rng") or []
@@ -483,6 +412,7 @@ class _Run:
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
+            "budget": self.budget.state_dict() if self.budget is not None else None,
             "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
             "rng": rngs,
             "recipe": self.recipe.to_dict(),
@@ -597,13 +527,14 @@ class _Run:
 
     def _loop(self, train_model: nn.Module, run_id: str | None) -> str:
         r = self.recipe
-        max_steps = r.max_steps if r.max_steps is not None else self.total_steps
         win = _Window(has_acc=not r.pretraining)
         self._set_train_mode()
-        while self.epoch < r.epochs:
+        if self.budget is not None:
+            self._budget_probe()
+        while self.step < self.total_steps:
             t_epoch = time.perf_counter()
-            while self.batch_in_epoch < self.steps_per_epoch:
-                if self.step >= max_steps:
+            while self.batch_in_epoch < self.steps_per_epoch and self.step < self.total_steps:
+                if r.max_steps is not None and self.step >= r.max_steps:
                     return "stopped"
                 if any_true(self.stop.signum is not None, self.dist):
                     return "interrupted"
@@ -622,25 +553,104 @@ class _Run:
                 correct = (0.0 if logits is None or batch.targets is None else
                            (logits.argmax(-1) == batch.targets.argmax(-1)).sum())
                 win.add(loss.detach(), correct, batch, gnorm, t_data, time.perf_counter() - t0)
-                if self.step % r.log_every == 0 or self.step == max_steps:
+                if self.budget is not None:
+                    self._budget_replan()
+                if self.step % r.log_every == 0 or self.step in (r.max_steps,
+                                                                 self.total_steps):
                     self._log_window(win, lr)
-            # epoch boundary
-            self.epoch += 1
-            self.batch_in_epoch = 0
-            res = self.evaluate()
-            metrics = {**self._val_metrics(res), "epoch": self.epoch,
-                       "time/epoch_s": time.perf_counter() - t_epoch}
-            if self.mlrun is not None:
-                self.mlrun.log_metrics(metrics, self.step)
-            self.progress.epoch(self.step, self.epoch - 1, val_loss=res.loss, val_acc=res.acc,
-                                epoch_time_s=metrics["time/epoch_s"])
-            log.info("epoch %d/%d step %d: val_loss %.4f%s (%.0fs)", self.epoch, r.epochs,
-                     self.step, res.loss, "" if res.acc is None else f" val_acc {res.acc:.4f}",
-                     metrics["time/epoch_s"])
-            if self.epoch % r.checkpoint_every == 0 or self.epoch >= r.epochs:
-                self._save("finished" if self.epoch >= r.epochs else "running", run_id)
+            if self.batch_in_epoch < self.steps_per_epoch:
+                break  # budget mode: the plan ends mid-epoch (evaluated in _finish)
+            self._end_epoch(t_epoch, run_id)
             win.reset()  # keep evaluation and checkpointing out of the throughput window
         return "finished"
+
+    def _end_epoch(self, t_epoch: float, run_id: str | None) -> None:
+        r = self.recipe
+        if self.budget is not None:
+            self.budget.pause()
+        self.epoch += 1
+        self.batch_in_epoch = 0
+        t_eval = time.perf_counter()
+        res = self.evaluate()
+        if self.budget is not None:  # what one evaluation costs, for the plan
+            self.budget.eval_s = time.perf_counter() - t_eval
+        done = self.step >= self.total_steps
+        metrics = {**self._val_metrics(res), "epoch": self.epoch,
+                   "time/epoch_s": time.perf_counter() - t_epoch}
+        if self.mlrun is not None:
+            self.mlrun.log_metrics(metrics, self.step)
+        self.progress.epoch(self.step, self.epoch - 1, val_loss=res.loss, val_acc=res.acc,
+                            epoch_time_s=metrics["time/epoch_s"])
+        log.info("epoch %d%s step %d: val_loss %.4f%s (%.0fs)", self.epoch,
+                 "" if self.budget is not None else f"/{r.epochs}", self.step, res.loss,
+                 "" if res.acc is None else f" val_acc {res.acc:.4f}", metrics["time/epoch_s"])
+        if self.epoch % r.checkpoint_every == 0 or done:
+            self._save("finished" if done else "running", run_id)
+        if self.budget is not None:
+            self.budget.resume()
+
+    # ------------------------------------------------------------------ budget
+
+    def _budget_reserve(self, eval_s: float) -> float:
+        assert self.recipe.budget_minutes is not None
+        return PUBLISH_RESERVE_S + eval_s + BUDGET_MARGIN * self.recipe.budget_minutes * 60
+
+    def _budget_probe(self) -> None:
+        """Time one validation batch to estimate what an evaluation costs (the plan keeps room
+        for the intermediate ones and the last one)."""
+        assert self.budget is not None
+        if self.budget.eval_s > 0:
+            return  # resumed: measured before
+        t0 = time.perf_counter()
+        bs = self.recipe.eval_batch_size
+        with torch.no_grad():
+            for batch in self.task.val_batches(bs):
+                if self.recipe.pretraining:
+                    self.task.pretrain_loss(self._eval_model(), batch)
+                else:
+                    self.task.forward(self._eval_model(), batch)
+                n = int(batch.labels.shape[0])
+                break
+            else:
+                return
+        self._set_train_mode()
+        per_example = (time.perf_counter() - t0) / max(1, n)
+        self.budget.eval_s = per_example * self.task.n_val / max(1, self.dist.world_size)
+        self.budget.reserve_s = self._budget_reserve(self.budget.eval_s)
+        log.info("budget %.1f min: one evaluation ~%.1fs, %.0fs kept for the end",
+                 self.budget.budget_s / 60, self.budget.eval_s, self.budget.reserve_s)
+
+    def _budget_replan(self) -> None:
+        assert self.budget is not None
+        spe = self.steps_per_epoch
+        future_epoch_ends = max(0, (self.budget.planned_steps or self.total_steps) // spe
+                                - self.step // spe)
+        planned = self.budget.observe(self.step, evals_left=future_epoch_ends)
+        if planned is None:
+            return
+        # every rank follows rank 0's plan (their clocks and rates differ slightly)
+        planned = int(broadcast_object(planned, self.dist)) if self.dist.enabled else planned
+        first, self._budget_logged = not self._budget_logged, True
+        if first and self.recipe.optim.warmup_fraction is not None:
+            self.scheduler.warmup_steps = max(self.step + 1, min(
+                self._warmup_steps(planned), planned - 1))
+        self.scheduler.set_total_steps(planned)
+        self.total_steps = self.scheduler.total_steps
+        self.progress.total_steps = self.total_steps
+        if first:
+            fp = self.budget.first_plan or {}
+            log.info("budget: %.2f steps/s measured -> %d steps (%.1f epochs)",
+                     fp.get("steps_per_s", 0.0), self.total_steps, self.total_steps / spe)
+            if self.mlrun is not None:
+                self.mlrun.log_params({
+                    "budget.measured_steps_per_s": round(fp.get("steps_per_s", 0.0), 4),
+                    "budget.measured_items_per_s": round(
+                        fp.get("steps_per_s", 0.0) * self.recipe.batch_size, 1),
+                    "budget.first_planned_steps": self.total_steps,
+                    "budget.reserve_s": round(self.budget.reserve_s, 1)})
+        if self.mlrun is not None:
+            self.mlrun.log_metrics({"budget/planned_steps": self.total_steps,
+                                    "budget/steps_per_s": self.budget.rate or 0.0}, self.step)
 
     def _log_window(self, win: _Window, lr: float) -> None:
         if self.device.type == "cuda":
@@ -669,6 +679,14 @@ class _Run:
         if self.dist.is_main and status != "interrupted" and self.last_eval is not None:
             version = self._publish(run_id)
         res = self.last_eval
+        if self.budget is not None:
+            wall = time.monotonic() - self.budget.start
+            log.info("budget: %d steps in %.1fs of a %.0fs budget (%+.1f%%)", self.step, wall,
+                     self.budget.budget_s, 100 * (wall / self.budget.budget_s - 1))
+            if self.mlrun is not None:
+                self.mlrun.log_metrics({"budget/wall_s": wall, "budget/steps": self.step,
+                                        "budget/epochs": self.step / self.steps_per_epoch},
+                                       self.step)
         self.progress.end(status=status, step=self.step, epoch=self.epoch,
                           val_acc=res.acc if res else None, val_loss=res.loss if res else None,
                           registered_version=version, checkpoint=str(self.ckpt_path),

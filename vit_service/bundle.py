@@ -36,7 +36,8 @@ class BundleMeta:
     task: Literal["image", "text"]  # what the inputs are
     model_config: dict[str, Any]  # config_to_dict(model.config): rebuilds the architecture
     class_names: list[str]  # index -> label
-    # image: {"image_size": 32, "mean": [...], "std": [...]}; text: {"max_len": 256}
+    # image: {"image_size": 32, "mean": [...], "std": [...]};
+    # text: {"max_len": 256, "truncation": "head" | "head_tail"}
     preprocess: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)  # recipe name, metrics, lineage...
 

@@ -79,7 +79,8 @@ class BundlePyfunc(mlflow.pyfunc.PythonModel):
                 logits = b.model(images_to_tensor(imgs, b.meta))
             else:
                 texts = list(model_input["text"])
-                enc = b.tokenizer.encode_batch(texts, b.meta.preprocess["max_len"])
+                enc = b.tokenizer.encode_batch(texts, b.meta.preprocess["max_len"],
+                                               b.meta.preprocess.get("truncation", "head"))
                 logits = b.model(enc.input_ids, enc.attention_mask)
         probs = logits.float().softmax(-1)
         p, idx = probs.max(-1)

@@ -1,5 +1,6 @@
 import io
 import json
+import math
 import random
 from pathlib import Path
 
@@ -25,11 +26,12 @@ def test_cosine_with_linear_warmup_values() -> None:
     assert lr_at(0, base, total, warm, floor) == pytest.approx(0.1)  # (0 + 1) / 10
     assert lr_at(4, base, total, warm, floor) == pytest.approx(0.5)
     assert lr_at(9, base, total, warm, floor) == pytest.approx(1.0)  # warm-up ends at base
-    assert lr_at(10, base, total, warm, floor) == pytest.approx(1.0)  # cosine starts at base
-    assert lr_at(60, base, total, warm, floor) == pytest.approx(0.55)  # half way: mean
-    assert lr_at(110, base, total, warm, floor) == pytest.approx(0.1)  # the floor
+    assert lr_at(10, base, total, warm, floor) == pytest.approx(1.0, abs=1e-3)  # just below
+    assert lr_at(59, base, total, warm, floor) == pytest.approx(0.55)  # half way: mean
+    assert lr_at(109, base, total, warm, floor) == pytest.approx(0.1)  # the last update
     assert lr_at(500, base, total, warm, floor) == pytest.approx(0.1)  # and stays there
-    assert lr_at(0, 2.0, 10, 0) == pytest.approx(2.0)  # no warm-up
+    # no warm-up: update 0 is already one tenth into the decay
+    assert lr_at(0, 2.0, 10, 0) == pytest.approx(1.0 + math.cos(0.1 * math.pi))
     lrs = [lr_at(s, base, total, warm, floor) for s in range(warm, total)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))  # monotone decay
 

@@ -9,6 +9,7 @@ configuration loads with ``load_state_dict`` and gives the same logits (tested).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +34,15 @@ class ViTConfig:
     attn_drop_rate: float = 0.0  # dropout on attention weights
     drop_path_rate: float = 0.1  # stochastic depth, linearly increasing over blocks; key for
     # small-data ViTs
+    pool: Literal["cls", "mean"] = "cls"  # head reads the CLS token (timm) or the mean of the
+    # patch tokens (Beyer et al. 2022; CLS stays in the sequence, attention maps read the
+    # mean of the patch rows)
+    stem: Literal["patch", "conv"] = "patch"  # patch: one Conv2d, kernel = stride = patch;
+    # conv: 3x3 convs (stride 2 until the patch grid) + BN + ReLU, then a 1x1 projection
+    # (Xiao et al. 2021, "Early convolutions help transformers see better")
+    stem_width: int = 32  # conv stem: channels of its first conv, doubled at each stride 2
+    tta_flip: bool = False  # eval mode: average the logits of the image and its mirror image
+    # (flip test-time augmentation); attention maps come from the image as given
 
     @property
     def grid_size(self) -> tuple[int, int]:
@@ -60,6 +70,33 @@ class PatchEmbed(nn.Module):
         return x.flatten(2).transpose(1, 2)  # (B, N, D), row-major patch order
 
 
+class ConvStem(nn.Module):
+    """``(B, C, H, W)`` -> ``(B, N, D)``: a 3x3 conv at full resolution, then one 3x3 stride-2
+    conv per factor 2 of the patch size (channels doubling), each with BN + ReLU, then a 1x1
+    ``proj`` to the token width. Same patch grid as :class:`PatchEmbed`."""
+
+    def __init__(self, patch_size: int, in_chans: int, embed_dim: int, width: int) -> None:
+        super().__init__()
+        n_down = patch_size.bit_length() - 1
+        if 2**n_down != patch_size:
+            raise ValueError(f"conv stem needs a power-of-two patch size, got {patch_size}")
+        def conv_bn_relu(c_in: int, c_out: int, stride: int) -> list[nn.Module]:
+            return [nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out),
+                    nn.ReLU(inplace=True)]
+
+        layers, c = conv_bn_relu(in_chans, width, 1), width  # full resolution
+        for _ in range(n_down):  # (B, c, H, W) -> (B, 2c, H/2, W/2)
+            layers += conv_bn_relu(c, 2 * c, 2)
+            c *= 2
+        c_in = c
+        self.stem = nn.Sequential(*layers)
+        self.proj = nn.Conv2d(c_in, embed_dim, kernel_size=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.proj(self.stem(x))  # (B, D, Gh, Gw)
+        return x.flatten(2).transpose(1, 2)  # (B, N, D), row-major patch order
+
+
 class ViT(nn.Module):
     """ViT classifier: patch embed -> [CLS] + patches + pos -> blocks -> norm -> head(CLS)."""
 
@@ -68,7 +105,9 @@ class ViT(nn.Module):
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
         self.config = c = config
-        self.patch_embed = PatchEmbed(c.patch_size, c.in_chans, c.embed_dim)
+        self.patch_embed: nn.Module = (
+            PatchEmbed(c.patch_size, c.in_chans, c.embed_dim) if c.stem == "patch"
+            else ConvStem(c.patch_size, c.in_chans, c.embed_dim, c.stem_width))
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim))
         table = None
         if c.pos_encoding == "sinusoidal":
@@ -131,13 +170,29 @@ class ViT(nn.Module):
         return self.norm(x), (attns if need_weights else None)
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        x = self.head_drop(x[:, 0])  # CLS token, (B, D)
+        if self.config.pool == "mean":
+            x = x[:, self.num_prefix_tokens:].mean(dim=1)  # patch tokens' mean, (B, D)
+        else:
+            x = x[:, 0]  # CLS token, (B, D)
+        x = self.head_drop(x)
         return x if pre_logits else self.head(x)
 
+    def _tta(self) -> bool:
+        return self.config.tta_flip and not self.training
+
     def forward(self, x: Tensor) -> Tensor:
+        if self._tta():  # one batch of 2B: the image and its mirror
+            logits = self.forward_head(self.forward_features(torch.cat([x, x.flip(-1)]))[0])
+            return logits.view(2, x.shape[0], -1).mean(0)  # (B, K)
         return self.forward_head(self.forward_features(x)[0])
 
     def forward_with_attention(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Logits ``(B, K)`` and attention ``(L, B, H, T, T)`` from one forward pass."""
-        feats, attns = self.forward_features(x, need_weights=True)
-        return self.forward_head(feats), torch.stack(attns)  # (L, B, H, T, T)
+        """Logits ``(B, K)`` and attention ``(L, B, H, T, T)`` from one forward pass (with
+        ``tta_flip``: the logits average both views, the attention is the given view's)."""
+        B = x.shape[0]
+        feats, attns = self.forward_features(torch.cat([x, x.flip(-1)]) if self._tta() else x,
+                                             need_weights=True)
+        logits = self.forward_head(feats)
+        if self._tta():
+            logits = logits.view(2, B, -1).mean(0)  # (B, K)
+        return logits, torch.stack([a[:B] for a in attns])  # (L, B, H, T, T)

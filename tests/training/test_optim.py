@@ -1,0 +1,135 @@
+"""The schedule, the budget planner and the optimizer factory (training/optim.py)."""
+
+import pytest
+import torch
+
+from training.optim import BudgetPlanner, LrSchedule, build_optimizer, lr_at
+
+
+def _opt() -> torch.optim.Optimizer:
+    return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+
+
+def _run(s: LrSchedule, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        out.append(s.apply())
+        s.step()
+    return out
+
+
+@pytest.mark.parametrize("shape", ["linear", "cosine"])
+def test_schedule_matches_the_closed_form_and_ends_on_min_lr(shape: str) -> None:
+    s = LrSchedule(_opt(), 1.0, 50, 5, 0.01, shape)  # type: ignore[arg-type]
+    lrs = _run(s, 50)
+    assert lrs == pytest.approx([lr_at(k, 1.0, 50, 5, 0.01, shape) for k in range(50)])  # type: ignore[arg-type]
+    assert lrs[4] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.01)
+    assert all(a >= b for a, b in zip(lrs[5:], lrs[6:], strict=False))
+
+
+def test_linear_decay_is_linear() -> None:
+    lrs = _run(LrSchedule(_opt(), 1.0, 11, 1, 0.0, "linear"), 11)
+    assert lrs[1:] == pytest.approx([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0])
+
+
+def test_replanning_keeps_the_lr_continuous_and_hits_the_final_lr_at_the_new_end() -> None:
+    s = LrSchedule(_opt(), 1.0, 100, 10, 0.0, "linear")
+    lrs = _run(s, 40)
+    s.set_total_steps(70)  # the machine got slower: fewer steps than planned
+    more = _run(s, 30)
+    assert more[-1] == pytest.approx(0.0) and s.step_num == 70
+    jumps = [abs(a - b) for a, b in zip(lrs + more, (lrs + more)[1:], strict=False)]
+    assert max(jumps[10:]) < 0.05  # no jump at the re-plan
+    s2 = LrSchedule(_opt(), 1.0, 100, 10, 0.0, "linear")
+    _run(s2, 40)
+    s2.set_total_steps(200)  # faster: more steps, still ending on 0
+    assert _run(s2, 160)[-1] == pytest.approx(0.0)
+
+
+def test_schedule_state_round_trips_mid_decay() -> None:
+    s = LrSchedule(_opt(), 1.0, 30, 3, 0.0, "cosine")
+    _run(s, 12)
+    s.set_total_steps(25)
+    s2 = LrSchedule(_opt(), 1.0, 30, 3, 0.0, "cosine")
+    s2.load_state_dict(s.state_dict())
+    assert _run(s2, 13) == pytest.approx(_run(s, 13))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_budget_plans_to_the_deadline_from_the_measured_rate() -> None:
+    clock = FakeClock()
+    b = BudgetPlanner(100.0, clock.t, reserve_s=10.0, warmup_steps=2, replan_every_s=5.0,
+                      clock=clock)
+    plans = []
+    step = 0
+    while True:  # 0.5 s per step for the first 20 s, then 1 s per step (load arrives)
+        clock.t += 0.5 if clock.t < 1020 else 1.0
+        step += 1
+        p = b.observe(step)
+        if p is not None:
+            plans.append(p)
+        if plans and step >= plans[-1]:
+            break
+    assert plans[0] == pytest.approx(2 + 90 / 0.5, abs=6)  # first plan: at 2 steps/s
+    end = clock.t - 1000
+    assert 85 <= end <= 90.5  # done by deadline - reserve, whatever the load did
+    assert b.first_plan is not None and b.first_plan["steps_per_s"] == pytest.approx(2.0)
+
+
+def test_budget_pauses_exclude_evaluations_and_count_evals_left() -> None:
+    clock = FakeClock()
+    b = BudgetPlanner(60.0, clock.t, reserve_s=0.0, warmup_steps=0, replan_every_s=1.0,
+                      clock=clock)
+    b.eval_s = 5.0
+    b.observe(0)
+    for step in range(1, 4):
+        clock.t += 1.0
+        if step == 2:  # an evaluation of 3 s between two steps
+            b.pause()
+            clock.t += 3.0
+            b.resume()
+        plan = b.observe(step, evals_left=2)
+    assert b.rate == pytest.approx(1.0)  # 3 steps in 3 s of training
+    assert plan == 3 + int(60 - 6 - 2 * 5.0)
+
+
+def test_budget_resume_counts_the_time_already_used() -> None:
+    clock = FakeClock()
+    b = BudgetPlanner(100.0, clock.t, reserve_s=0.0, clock=clock)
+    clock.t += 40
+    state = b.state_dict()
+    clock.t += 500  # the run was down for a while
+    b2 = BudgetPlanner(100.0, clock.t, reserve_s=0.0, clock=clock)
+    b2.load_state_dict(state)
+    assert b2.time_left() == pytest.approx(60.0)
+
+
+def test_fused_adamw_falls_back_where_there_is_no_fused_kernel() -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = build_optimizer(model, 1e-3, 0.05, (0.9, 0.999), 1e-8, None, fused=True)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()  # runs on CPU whichever implementation was chosen
+    assert opt.param_groups[0]["weight_decay"] == 0.05
+
+
+def test_fused_adamw_failure_falls_back_to_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = torch.optim.AdamW
+    calls = []
+
+    def no_fused(*args, **kw):  # a build or device without the fused kernel
+        calls.append(kw.get("fused"))
+        if kw.get("fused"):
+            raise RuntimeError("`fused=True` requires all the params to be floating point "
+                               "Tensors of supported devices")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch.optim, "AdamW", no_fused)
+    opt = build_optimizer(torch.nn.Linear(3, 2), 1e-3, 0.0, (0.9, 0.999), 1e-8, None, True)
+    assert calls == [True, None] and isinstance(opt, real)
