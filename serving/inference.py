@@ -102,7 +102,8 @@ def run_image_jobs(model: LoadedModel, jobs: list[ImageJob]) -> list[JobOutput |
                 maps = None
                 if attn is not None:
                     heads = any(jobs[i].attention == AttentionKind.heads for i in idxs)
-                    maps = compute_attention_maps(attn, grid=model.grid, with_heads=heads)
+                    maps = compute_attention_maps(attn, grid=model.grid, with_heads=heads,
+                                                  query=model.query)
             rollout = maps.rollout.tolist() if maps else None
             layers = maps.layers.tolist() if maps else None
             head_list = maps.heads.tolist() if maps and maps.heads is not None else None
@@ -159,7 +160,8 @@ def run_text_jobs(model: LoadedModel, jobs: list[TextJob]) -> list[JobOutput | E
                 maps = None
                 if attn is not None:
                     heads = any(jobs[i].attention == AttentionKind.heads for i in idxs)
-                    maps = compute_attention_maps(attn, attention_mask=mask, with_heads=heads)
+                    maps = compute_attention_maps(attn, attention_mask=mask, with_heads=heads,
+                                                  query=model.query)
             lengths = mask.sum(1).tolist()
             row = 0
             for i in idxs:

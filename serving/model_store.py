@@ -90,6 +90,11 @@ class LoadedModel:
         return self.bundle.meta.class_names
 
     @property
+    def query(self) -> str:
+        """Whose attention row the maps read: ``cls``, or ``mean`` for a mean-pooling model."""
+        return "mean" if getattr(self.bundle.model.config, "pool", "cls") == "mean" else "cls"
+
+    @property
     def grid(self) -> tuple[int, int] | None:
         cfg = getattr(self.bundle.model, "config", None)
         grid = getattr(cfg, "grid_size", None)

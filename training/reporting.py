@@ -160,13 +160,15 @@ def image_attention_sheet(
     images: np.ndarray,
     attn: torch.Tensor,
     grid: tuple[int, int],
+    query: str,
     labels: list[int],
     probs: torch.Tensor,
     class_names: list[str],
     path: Path,
 ) -> Path:
     """A sheet with, per image (uint8 ``(n, H, W, 3)``), the image and its [CLS] attention
-    rollout overlay; ``attn`` is ``(L, n, H, T, T)``."""
+    rollout overlay; ``attn`` is ``(L, n, H, T, T)``; ``query``: the model's pooling (the row
+    the rollout reads)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,7 +177,7 @@ def image_attention_sheet(
 
     from vit_service.attention_maps import attention_rollout, overlay_heatmap
 
-    maps = attention_rollout(attn, grid=grid)  # (n, gh, gw)
+    maps = attention_rollout(attn, grid=grid, query=query)  # (n, gh, gw)
     n = images.shape[0]
     cols = min(n, 4)
     rows = (n + cols - 1) // cols

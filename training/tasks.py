@@ -292,6 +292,7 @@ class ImageTask(Task):
         probs = logits.float().softmax(-1)
         return image_attention_sheet(
             raw.permute(0, 2, 3, 1).cpu().numpy(), attn.float().cpu(), model.config.grid_size,
+            model.config.pool,
             self.val_y[rows].tolist(), probs.cpu(), self.class_names,
             out_dir / "attention_rollout.png",
         )
@@ -464,7 +465,8 @@ class TextTask(Task):
         ids, mask = enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
         logits, attn = model.forward_with_attention(ids, mask)
         probs = logits.float().softmax(-1).cpu()
-        maps = attention_rollout(attn.float(), attention_mask=mask).cpu()  # (n, T-1)
+        maps = attention_rollout(attn.float(), attention_mask=mask,  # (n, T-1)
+                                 query=model.config.pool).cpu()
         parts = ["<html><head><meta charset='utf-8'><title>attention rollout</title></head>",
                  "<body style='font-family:sans-serif;max-width:60em'>",
                  "<h2>[CLS] attention rollout on validation reviews</h2>"]

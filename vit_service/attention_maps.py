@@ -4,7 +4,8 @@ Input everywhere: ``attn`` of shape ``(L, B, H, T, T)`` (layers, batch, heads, q
 rows of each ``(T, T)`` matrix being softmax distributions over keys; token 0 is ``[CLS]`` and the
 other ``N = T - 1`` tokens are image patches (row-major over the grid) or text tokens.
 
-Three views, all of the ``[CLS]`` query's row:
+Three views, all of the ``[CLS]`` query's row (or, for a model that pools the mean of its
+tokens, ``query="mean"``: the mean of the token rows, padding excluded):
 
 * :func:`attention_rollout` (Abnar & Zuidema, 2020, "Quantifying Attention Flow in
   Transformers"): per layer, fuse the heads (``mean`` by default, ``max`` or ``min``), add the
@@ -45,6 +46,8 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 HeadFusion = Literal["mean", "max", "min"]
+Query = Literal["cls", "mean"]  # whose row is read: [CLS]'s, or the mean of the token rows
+# (a model that pools the mean of its tokens, ``pool="mean"``, decides from all of them)
 HEAD_FUSIONS: tuple[str, ...] = ("mean", "max", "min")
 
 
@@ -87,6 +90,23 @@ def rollout_matrix(
     return joint
 
 
+def query_row(m: Tensor, query: Query, attention_mask: Tensor | None,
+              num_prefix_tokens: int) -> Tensor:
+    """``(B, *extra, T, T)`` -> ``(B, *extra, T)``: the ``[CLS]`` row, or the mean of the rows of
+    the non-prefix tokens (real tokens only when ``attention_mask`` ``(B, T)`` is given)."""
+    if query == "cls":
+        return m[..., 0, :]
+    if query != "mean":
+        raise ValueError(f"unknown query {query!r}; use cls or mean")
+    rows = m[..., num_prefix_tokens:, :]  # (B, *extra, N, T)
+    if attention_mask is None:
+        return rows.mean(dim=-2)
+    w = attention_mask[:, num_prefix_tokens:].to(device=m.device, dtype=m.dtype)  # (B, N)
+    w = w / w.sum(-1, keepdim=True).clamp_min(1.0)
+    w = w.view(w.shape[0], *([1] * (m.ndim - 3)), w.shape[-1], 1)  # (B, *1, N, 1)
+    return (rows * w).sum(dim=-2)
+
+
 def _normalise(
     rows: Tensor, attention_mask: Tensor | None, num_prefix_tokens: int, extra_dims: int
 ) -> Tensor:
@@ -119,13 +139,15 @@ def attention_rollout(
     grid: tuple[int, int] | None = None,
     num_prefix_tokens: int = 1,
     residual: bool = True,
+    query: Query = "cls",
 ) -> Tensor:
-    """Rollout map of the ``[CLS]`` token: ``(B, N)``, or ``(B, gh, gw)`` with ``grid``.
+    """Rollout map of the ``[CLS]`` token (or, ``query="mean"``, of the mean token row):
+    ``(B, N)``, or ``(B, gh, gw)`` with ``grid``.
 
     Each map sums to 1 over the ``N`` non-``[CLS]`` tokens (padding excluded, set to 0).
     """
     joint = rollout_matrix(attn, head_fusion, residual)  # (B, T, T)
-    row = joint[:, 0, num_prefix_tokens:]  # (B, N)
+    row = query_row(joint, query, attention_mask, num_prefix_tokens)[:, num_prefix_tokens:]
     return to_grid(_normalise(row, attention_mask, num_prefix_tokens, 0), grid)
 
 
@@ -135,11 +157,12 @@ def layer_maps(
     grid: tuple[int, int] | None = None,
     num_prefix_tokens: int = 1,
     head_fusion: HeadFusion = "mean",
+    query: Query = "cls",
 ) -> Tensor:
-    """Per layer, the ``[CLS]`` row of the head-fused weights: ``(B, L, N)`` or
-    ``(B, L, gh, gw)``; each map sums to 1 over the non-``[CLS]`` tokens."""
-    a = fuse_heads(_as_5d(attn), head_fusion)  # (L, B, T, T)
-    rows = a[:, :, 0, num_prefix_tokens:].permute(1, 0, 2)  # (B, L, N)
+    """Per layer, the ``[CLS]`` (or mean token) row of the head-fused weights: ``(B, L, N)``
+    or ``(B, L, gh, gw)``; each map sums to 1 over the non-``[CLS]`` tokens."""
+    a = fuse_heads(_as_5d(attn), head_fusion).transpose(0, 1)  # (B, L, T, T)
+    rows = query_row(a, query, attention_mask, num_prefix_tokens)[..., num_prefix_tokens:]
     return to_grid(_normalise(rows, attention_mask, num_prefix_tokens, 1), grid)
 
 
@@ -148,11 +171,12 @@ def head_maps(
     attention_mask: Tensor | None = None,
     grid: tuple[int, int] | None = None,
     num_prefix_tokens: int = 1,
+    query: Query = "cls",
 ) -> Tensor:
-    """Per layer and head, the ``[CLS]`` row: ``(B, L, H, N)`` or ``(B, L, H, gh, gw)``; each
-    map sums to 1 over the non-``[CLS]`` tokens."""
-    a = _as_5d(attn)  # (L, B, H, T, T)
-    rows = a[:, :, :, 0, num_prefix_tokens:].permute(1, 0, 2, 3)  # (B, L, H, N)
+    """Per layer and head, the ``[CLS]`` (or mean token) row: ``(B, L, H, N)`` or
+    ``(B, L, H, gh, gw)``; each map sums to 1 over the non-``[CLS]`` tokens."""
+    a = _as_5d(attn).transpose(0, 1)  # (B, L, H, T, T)
+    rows = query_row(a, query, attention_mask, num_prefix_tokens)[..., num_prefix_tokens:]
     return to_grid(_normalise(rows, attention_mask, num_prefix_tokens, 2), grid)
 
 
@@ -173,12 +197,15 @@ def compute_attention_maps(
     with_heads: bool = False,
     head_fusion: HeadFusion = "mean",
     num_prefix_tokens: int = 1,
+    query: Query = "cls",
 ) -> AttentionMaps:
-    """Rollout + per-layer maps (+ per-head maps if ``with_heads``) in one call."""
+    """Rollout + per-layer maps (+ per-head maps if ``with_heads``) in one call; ``query``:
+    the model's pooling (``cls`` or ``mean``)."""
+    n = num_prefix_tokens
     return AttentionMaps(
-        rollout=attention_rollout(attn, head_fusion, attention_mask, grid, num_prefix_tokens),
-        layers=layer_maps(attn, attention_mask, grid, num_prefix_tokens),
-        heads=head_maps(attn, attention_mask, grid, num_prefix_tokens) if with_heads else None,
+        rollout=attention_rollout(attn, head_fusion, attention_mask, grid, n, query=query),
+        layers=layer_maps(attn, attention_mask, grid, n, query=query),
+        heads=head_maps(attn, attention_mask, grid, n, query=query) if with_heads else None,
     )
 
 

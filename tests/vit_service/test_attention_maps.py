@@ -133,3 +133,25 @@ def test_overlay_is_a_png_of_bounded_size(size: tuple[int, int], expected: tuple
     assert np.abs(px[-5, -5] - px[4, 4]).sum() > 100
     # a constant map does not divide by zero
     Image.open(io.BytesIO(overlay_heatmap(img, torch.zeros(4, 4)))).load()
+
+
+def test_mean_query_reads_the_mean_of_the_token_rows() -> None:
+    from vit_service.attention_maps import head_maps, layer_maps, query_row
+
+    torch.manual_seed(0)
+    attn = torch.rand(2, 3, 2, 5, 5).softmax(-1)  # (L, B, H, T, T)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
+    rows = query_row(attn.transpose(0, 1), "mean", mask, 1)  # (B, L, H, T)
+    want = attn[:, 1, :, 1:3, :].mean(-2)  # item 1: the mean of its two real token rows
+    assert torch.allclose(rows[1], want)  # (L, H, T)
+    lm = layer_maps(attn, attention_mask=mask, query="mean")  # (B, L, N)
+    hm = head_maps(attn, attention_mask=mask, query="mean")  # (B, L, H, N)
+    ro = attention_rollout(attn, attention_mask=mask, query="mean")  # (B, N)
+    for m in (lm, hm, ro):
+        assert torch.allclose(m.sum(-1), torch.ones(m.shape[:-1]), atol=1e-6)
+        assert (m[1, ..., 2:] == 0).all()  # padding gets exactly 0
+    # with one query token the mean row is that token's row, not [CLS]'s
+    one = attention_rollout(attn[:, :1, :, :2, :2], query="mean")
+    cls = attention_rollout(attn[:, :1, :, :2, :2], query="cls")
+    assert one.shape == cls.shape == (1, 1)
+    assert not torch.allclose(layer_maps(attn, query="mean"), layer_maps(attn, query="cls"))

@@ -136,3 +136,23 @@ def _without_specials(tok: TextTokenizer) -> str:
     for t in SPECIAL_TOKENS[2:]:
         vocab.pop(t)
     return json.dumps(data)
+
+
+def test_head_tail_truncation_keeps_the_start_and_the_end(tok) -> None:
+    from vit_service.data.tokenizer import head_tail_cut
+
+    assert head_tail_cut(5, 8) == (5, 0)
+    assert head_tail_cut(100, 8) == (2, 6)  # a quarter of the budget for the head
+    words = [f"w{i}" for i in range(60)]
+    text = " ".join(words)
+    full = tok.encode_batch([text], 1000).pieces[0][1:]
+    enc = tok.encode_batch([text], 17, truncation="head_tail")
+    pieces = enc.pieces[0]
+    assert pieces[0] == "[CLS]" and len(pieces) == 17 and enc.truncated == [True]
+    assert pieces[1:5] == full[:4] and pieces[5:] == full[-12:]
+    ids, lengths = tok.encode_to_arrays([text, "w1 w2"], 17, truncation="head_tail")
+    assert ids[0].tolist() == enc.input_ids[0].tolist() and lengths.tolist()[1] < 17
+    short = tok.encode_batch(["w1 w2"], 17, truncation="head_tail")
+    assert short.truncated == [False] and short.pieces == tok.encode_batch(["w1 w2"], 17).pieces
+    with pytest.raises(ValueError, match="truncation"):
+        tok.encode_batch([text], 17, truncation="middle")  # type: ignore[arg-type]

@@ -61,3 +61,42 @@ def test_reset_classifier_replaces_the_head() -> None:
     m.reset_classifier(100)
     assert m.head.out_features == 100 and m.config.num_classes == 100
     assert m(torch.randn(1, 3, 32, 32)).shape == (1, 100)
+
+
+def test_flip_tta_logits_are_the_mean_of_the_two_views() -> None:
+    torch.manual_seed(0)
+    model = create_model("vit_test", tta_flip=True).eval()
+    x = torch.randn(3, 3, 32, 32)
+    plain = create_model("vit_test").eval()
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        expected = (plain(x) + plain(x.flip(-1))) / 2
+        got = model(x)
+        logits, attn = model.forward_with_attention(x)
+        _, attn_plain = plain.forward_with_attention(x)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert torch.allclose(logits, expected, atol=1e-5)
+    assert torch.allclose(attn, attn_plain, atol=1e-6)  # maps of the image as given
+    model.train()  # training: one view, no averaging
+    assert torch.allclose(model(x), plain.train()(x), atol=1e-5)
+
+
+def test_mean_pooling_reads_the_patch_tokens_not_cls() -> None:
+    torch.manual_seed(0)
+    model = create_model("vit_test", pool="mean").eval()
+    x = torch.randn(2, 3, 32, 32)
+    feats, _ = model.forward_features(x)
+    assert torch.allclose(model.forward_head(feats, pre_logits=True), feats[:, 1:].mean(1))
+    with torch.no_grad():
+        model.cls_token.add_(5.0)  # CLS only reaches the output through attention
+        feats2, _ = model.forward_features(x)
+    assert not torch.allclose(feats2[:, 0], feats[:, 0])
+
+
+def test_conv_stem_gives_the_same_token_grid() -> None:
+    model = create_model("vit_nano_patch4_32", stem="conv")
+    tokens = model.patch_embed(torch.randn(2, 3, 32, 32))
+    assert tokens.shape == (2, 64, 128)  # (B, N, D)
+    convs = [m for m in model.patch_embed.stem if isinstance(m, torch.nn.Conv2d)]
+    assert [c.stride[0] for c in convs] == [1, 2, 2]  # 32 -> 16 -> 8
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
