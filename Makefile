@@ -33,7 +33,7 @@ DOCKERFILES := docker/Dockerfile docker/Dockerfile.cuda docker/testing/postgres.
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/hadolint $(DOCKERFILES)
-	$(VENV)/bin/shellcheck docker/*.sh docker/testing/*.sh .ci/run
+	$(VENV)/bin/shellcheck docker/*.sh docker/testing/*.sh benchmarks/*.sh .ci/run
 	@if command -v docker-compose >/dev/null; then \
 	  docker-compose -f docker/compose.yaml --profile gpu config -q && echo "compose.yaml: valid"; \
 	elif [ -n "$$REQUIRE_COMPOSE_CHECK" ]; then echo "docker-compose is missing"; exit 1; \

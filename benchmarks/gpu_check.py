@@ -15,7 +15,7 @@ off and nothing registered, run folders under ``--home``):
    unlabelled reviews, never val or test), then ``imdb-transformer`` fine-tuned from that run's
    bundle folder (``init.from=<run dir>/bundle``): final val accuracy, times, tokens/s.
 
-Output: a summary table on stdout, then the JSON summary as the last stdout line; the same
+Output: the JSON summary as one line on stdout, then a summary table; the same
 JSON in ``$OUT/gpu_check.json`` (rewritten after every phase, so a run cut short still leaves
 what it measured), the log in ``$OUT/gpu_check.log``, every progress event in
 ``$OUT/events.jsonl``.
@@ -87,7 +87,7 @@ class Recorder(Progress):
         if self.events_file is not None:
             self.events_file.write(json.dumps({"phase": self.phase, **rec}, default=str) + "\n")
             self.events_file.flush()
-        if event != "step":
+        if event in ("start", "end"):  # epochs: the trainer logs them (and events.jsonl)
             super()._emit(event, phase=self.phase, **fields)
 
 
@@ -126,7 +126,7 @@ def train_flops_per_item(run: Any) -> dict[str, Any]:
 
     task, dev = run.task, run.device
     model = copy.deepcopy(run.model).train()
-    devices = [dev] if dev.type == "cuda" else []
+    devices = [torch.cuda.current_device()] if dev.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         batch = task.train_batch(0, 0)
         with FlopCounterMode(display=False) as counter:
@@ -198,6 +198,8 @@ class Check:
 
         rec = Recorder(phase, "img" if recipe.task == "image" else "tok", self.events_file)
         log.info("%s: training %s", phase, recipe.name)
+        if self.torch.cuda.is_available():
+            self.torch.cuda.reset_peak_memory_stats()
         t_call = time.monotonic()
         run = prepare_run(recipe, data_dir=self.data_dir, run_name=f"{phase}-{recipe.name}",
                           register=False, mlflow_enabled=False, settings=self.settings,
@@ -215,11 +217,17 @@ class Check:
         curve = [{"epoch": e["epoch"] + 1, "step": e["step"], "t": round(e["t"] - t_start, 2),
                   "t_from_call": round(e["t"] - t_call, 2), "val_acc": e.get("val_acc"),
                   "val_loss": e.get("val_loss")} for e in ev if e["event"] == "epoch"]
-        accs = [p["val_acc"] for p in curve if p["val_acc"] is not None]
-        if result.val_acc is not None:
-            accs.append(result.val_acc)
-        tput = steady_throughput(ev)
         t_end = end["t"] if end else t_done
+        if end and (not curve or curve[-1]["step"] != result.step) and (
+                result.val_acc is not None or result.val_loss is not None):
+            # budget mode ends mid-epoch: the trainer's last evaluation is a curve point too
+            curve.append({"epoch": round(result.step / max(1, run.steps_per_epoch), 2),
+                          "step": result.step, "t": round(t_end - t_start, 2),
+                          "t_from_call": round(t_end - t_call, 2), "val_acc": result.val_acc,
+                          "val_loss": result.val_loss, "final": True})  # t: after publishing
+        accs = [p["val_acc"] for p in curve if p["val_acc"] is not None]
+        tput = steady_throughput(ev)
+        cuda = self.torch.cuda.is_available() and run.device.type == "cuda"
         out: dict[str, Any] = {
             "recipe": run.recipe.name, "status": result.status, "steps": result.step,
             "epochs": round(result.step / max(1, run.steps_per_epoch), 2),
@@ -232,6 +240,8 @@ class Check:
             "train_s": round(t_end - t_start, 2),  # first step to the end event
             "total_s": round(t_done - t_call, 2),  # the whole call
             "throughput_unit": f"{run.task.unit}/s", "throughput": tput,
+            "peak_memory_gb": round(self.torch.cuda.max_memory_allocated() / 2**30, 2)
+            if cuda else None,
             "curve": curve, "run_dir": str(result.run_dir),
         }
         return out
@@ -336,8 +346,8 @@ class Check:
             self.write()
         self.summary["ok"] = not self.summary["errors"]
         self.write()
+        print(json.dumps(self.summary, default=str))  # the table last: it ends the output
         print(format_table(self.summary))
-        print(json.dumps(self.summary, default=str))
         if self.events_file is not None:
             self.events_file.close()
         return 0 if self.summary["ok"] else 1
@@ -376,6 +386,7 @@ def format_table(s: dict[str, Any]) -> str:
             ("  images/s", _f(c["images_per_s"], "{:,.0f}")),
             ("  FLOPs per image", _f(c.get("flops_per_item"), "{:.3e}") + " (fwd + bwd)"),
             ("  MFU", _f(c.get("mfu"), "{:.1%}") + f" of {dev['peak_flops']:.3g} FLOP/s"),
+            ("  peak GPU memory", _f(c.get("peak_memory_gb"), "{:.1f} GiB")),
         ]
     im = s.get("imdb") or {}
     p, f = im.get("pretrain"), im.get("finetune")

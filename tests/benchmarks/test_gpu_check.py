@@ -41,7 +41,8 @@ def test_dry_run_exits_0_and_writes_the_summary(dry_run: dict) -> None:
     proc = dry_run["proc"]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     summary = json.loads((dry_run["out"] / "gpu_check.json").read_text())
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == summary  # also on stdout
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith('{"schema"'))
+    assert json.loads(line) == summary  # also on stdout
     assert summary["ok"] is True and summary["dry_run"] is True and summary["errors"] == []
     assert summary["device"]["peak_flops"] == 1e12  # GPU_PEAK_FLOPS is honoured
     assert "time to 94 %" in proc.stdout and "MFU" in proc.stdout  # the table
@@ -80,6 +81,27 @@ def test_dry_run_imdb_pretrains_then_fine_tunes_from_the_bundle(dry_run: dict) -
     assert imdb["total_s"] > 0
     meta = json.loads((Path(ft["run_dir"]) / "bundle" / "meta.json").read_text())
     assert meta["extra"]["lineage"]["init"] == "bundle"
+
+
+def test_budget_mode_ends_on_time_and_its_last_evaluation_is_on_the_curve(
+        tmp_path: Path, dry_run: dict) -> None:
+    """``--only cifar --cifar-set budget_minutes=...``: the trainer sizes the run to the
+    budget, which ends mid-epoch; that final evaluation is the curve's last point."""
+    root = dry_run["root"]
+    env = {**os.environ, **QUIET, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
+           "VIT_SERVICE_CACHE_DIR": str(root / "cache")}
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", "--data-dir",
+                           str(root / "data"), "--home", str(tmp_path / "home"), "--only",
+                           "cifar", "--cifar-set", "budget_minutes=0.25"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    s = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    c = s["cifar"]
+    assert s["imdb"] is None and c["budget_minutes"] == 0.25 and c["status"] == "finished"
+    assert c["steps"] > 2 * 12  # sized by the measured rate, not by the recipe's 2 epochs
+    assert c["total_s"] < 0.25 * 60 + 5
+    last = c["curve"][-1]
+    assert last["step"] == c["steps"] and last["val_acc"] == c["final_val_acc"]
 
 
 def test_bad_setup_is_exit_code_2(tmp_path: Path) -> None:
