@@ -42,6 +42,17 @@ def normalize(x: Tensor, mean: Tensor, std: Tensor, dtype: torch.dtype = torch.f
     return ((x.to(dtype) / 255.0) - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
 
 
+def token_dropout(mask: Tensor, p: float, generator: torch.Generator | None = None) -> Tensor:
+    """Word dropout on an attention mask ``(B, T)`` (True = real token): each real token after
+    position 0 (``[CLS]``) is masked out with probability ``p``; a row keeps at least its first
+    real token after ``[CLS]`` so that mean pooling always has something to average."""
+    if p <= 0:
+        return mask
+    drop = torch.rand(mask.shape, device=mask.device, generator=generator) < p  # (B, T)
+    drop[:, :2] = False  # [CLS] and the first token stay
+    return mask & ~drop
+
+
 def smooth_one_hot(y: Tensor, num_classes: int, smoothing: float = 0.0) -> Tensor:
     """Hard labels ``(B,)`` -> soft targets ``(B, K)``: ``1 - s + s/K`` on the label, ``s/K``
     elsewhere."""

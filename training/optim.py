@@ -17,6 +17,7 @@ publishing, measured on the first evaluation), whatever else happens on the mach
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import math
@@ -135,7 +136,8 @@ class LrSchedule:
         self.last_lr = base_lr
 
     def set_total_steps(self, total_steps: int) -> None:
-        self.total_steps = max(total_steps, self.step_num + 1, self.warmup_steps + 1)
+        """A new end; never before the updates already done (equal to them: stop now)."""
+        self.total_steps = max(total_steps, self.step_num)
 
     def _lr(self) -> float:
         k = self.step_num
@@ -182,23 +184,27 @@ class BudgetPlanner:
     """Sizes a run to a wall-clock budget (see the module docstring).
 
     ``deadline`` is ``time.monotonic()`` seconds. ``reserve_s`` is kept free at the end for the
-    last evaluation and publishing; ``eval_s`` is the cost of one intermediate evaluation and
-    ``evals_left(step)`` how many are still to come (both refined as they are measured)."""
+    last evaluation and publishing; ``eval_s`` is the cost of one intermediate evaluation.
+
+    The rate is measured over the last ``window_s`` seconds of training (evaluations paused
+    out), so it follows the machine's load; plans come every ``replan_every_s`` seconds, and
+    more often as the deadline nears (every tenth of the time left, at least every second), so
+    that a late change of speed still moves the end to the deadline."""
 
     def __init__(self, budget_s: float, start: float, reserve_s: float,
-                 warmup_steps: int = 5, replan_every_s: float = 20.0,
+                 warmup_steps: int = 5, replan_every_s: float = 20.0, window_s: float = 30.0,
                  clock: Any = time.monotonic) -> None:
         self.budget_s, self.start, self.reserve_s = budget_s, start, reserve_s
         self.deadline = start + budget_s
         self.warmup_steps, self.replan_every_s, self.clock = warmup_steps, replan_every_s, clock
+        self.window_s = window_s
         self.eval_s = 0.0
-        self._t_mark: float | None = None
-        self._step_mark = 0
+        self._marks: collections.deque[tuple[float, int]] = collections.deque()
         self._last_plan = -math.inf
         self.rate: float | None = None  # training steps per second (excluding evaluations)
         self.planned_steps: int | None = None
         self.first_plan: dict[str, float] | None = None
-        self._paused = 0.0
+        self._paused = 0.0  # seconds paused so far: training time = clock - paused
         self._pause_t: float | None = None
 
     # evaluations and checkpoints are not training time: pause the rate clock around them
@@ -213,31 +219,35 @@ class BudgetPlanner:
     def time_left(self) -> float:
         return self.deadline - self.reserve_s - self.clock()
 
-    def observe(self, step: int, evals_left: int = 0) -> int | None:
+    def observe(self, step: int, steps_per_eval: int | None = None) -> int | None:
         """Call after each update with the number of updates done. Returns a new planned
-        total when it (re)plans, else None. The rate is measured from update
-        ``warmup_steps`` on (or from the first call after a resume); the first plan comes after
-        a few measured updates, then one every ``replan_every_s`` seconds, each on the rate of
-        the window since the previous plan, so it follows the machine's load."""
+        total when it (re)plans, else None (``step`` itself: stop now). Measuring starts at
+        update ``warmup_steps`` (or at the first call after a resume); the first plan comes
+        after 3 measured updates. With ``steps_per_eval`` (an evaluation every so many
+        updates, ``eval_s`` each) the plan leaves room for the evaluations it implies."""
         now = self.clock()
-        if self._t_mark is None:
+        if not self._marks:
             if step >= self.warmup_steps:
-                self._t_mark, self._step_mark, self._paused = now, step, 0.0
+                self._marks.append((now - self._paused, step))
             return None
-        measured = step - self._step_mark
-        if self.planned_steps is None and measured < 3:
+        t_train = now - self._paused
+        self._marks.append((t_train, step))
+        while len(self._marks) > 5 and t_train - self._marks[1][0] >= self.window_s:
+            self._marks.popleft()
+        t0, s0 = self._marks[0]
+        if step - s0 < 3:
             return None
-        if self.planned_steps is not None and now - self._last_plan < self.replan_every_s:
+        left = self.time_left()
+        every = min(self.replan_every_s, max(1.0, left / 10))
+        if self.planned_steps is not None and now - self._last_plan < every:
             return None
-        elapsed = max(1e-6, now - self._t_mark - self._paused)
-        self.rate = measured / elapsed
-        left = self.time_left() - evals_left * self.eval_s
-        self.planned_steps = max(step + 1, step + int(left * self.rate))
+        self.rate = (step - s0) / max(1e-6, t_train - t0)
+        per_step = 1.0 / self.rate + (self.eval_s / steps_per_eval if steps_per_eval else 0.0)
+        self.planned_steps = step + max(0, int(left / per_step))
         self._last_plan = now
         if self.first_plan is None:
             self.first_plan = {"steps": float(self.planned_steps), "steps_per_s": self.rate,
                                "at_step": float(step)}
-        self._t_mark, self._step_mark, self._paused = now, step, 0.0
         return self.planned_steps
 
     def state_dict(self) -> dict[str, Any]:

@@ -134,6 +134,9 @@ class AugmentSpec(_Strict):
     mixup_alpha: float = Field(0.0, ge=0, description="Mixup on batches without CutMix; 0 = off")
     randaugment_ops: int = Field(0, ge=0, description="RandAugment ops per image; 0 = off")
     randaugment_magnitude: int = Field(9, ge=0, le=30)
+    token_dropout: float = Field(
+        0.0, ge=0, lt=1, description="text, training only: each real token after [CLS] is "
+        "hidden from attention and pooling with this probability (word dropout)")
 
 
 class InitSpec(_Strict):

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from training.augment import CutMix, ImageAugment, normalize, smooth_one_hot
+from training.augment import CutMix, ImageAugment, normalize, smooth_one_hot, token_dropout
 from training.distributed import DistInfo
 from training.evaluate import LossResult
 from training.recipes import Recipe
@@ -417,6 +417,10 @@ class TextTask(Task):
         b = self._make_batch(self.train_ids[dev_idx], self.train_len[idx], self.train_y[dev_idx])
         if self.objective == "mlm":
             return self._mlm_batch(b)
+        p = self.recipe.augment.token_dropout
+        if p > 0:
+            ids, mask = b.inputs
+            b.inputs = (ids, token_dropout(mask, p))
         b.targets = smooth_one_hot(b.labels, self.num_classes,
                                    self.recipe.optim.label_smoothing)
         return b

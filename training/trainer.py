@@ -623,9 +623,7 @@ class _Run:
     def _budget_replan(self) -> None:
         assert self.budget is not None
         spe = self.steps_per_epoch
-        future_epoch_ends = max(0, (self.budget.planned_steps or self.total_steps) // spe
-                                - self.step // spe)
-        planned = self.budget.observe(self.step, evals_left=future_epoch_ends)
+        planned = self.budget.observe(self.step, steps_per_eval=spe)
         if planned is None:
             return
         # every rank follows rank 0's plan (their clocks and rates differ slightly)

@@ -103,3 +103,16 @@ def test_normalize_and_pipeline() -> None:
     y = aug(_batch(), train=True)
     assert y.shape == (8, 3, 32, 32) and y.dtype == torch.float32
     assert torch.equal(aug(_batch(), train=False), aug(_batch(), train=False))
+
+
+def test_token_dropout_hides_real_tokens_at_its_rate_and_never_cls() -> None:
+    from training.augment import token_dropout
+
+    torch.manual_seed(0)
+    mask = torch.ones(64, 200, dtype=torch.bool)
+    mask[:, 150:] = False  # padding stays padding
+    out = token_dropout(mask, 0.25)
+    assert out[:, :2].all() and not out[:, 150:].any()
+    frac = 1 - out[:, 2:150].float().mean().item()
+    assert 0.22 < frac < 0.28
+    assert torch.equal(token_dropout(mask, 0.0), mask)

@@ -125,7 +125,7 @@ def test_text_cli_run_end_to_end(tmp_path: Path, data_dir: Path, run_cli, mlflow
     from vit_service.bundle import load_bundle
 
     b = load_bundle(bundle)
-    assert b.meta.task == "text" and b.meta.preprocess == {"max_len": 64}
+    assert b.meta.task == "text" and b.meta.preprocess == {"max_len": 64, "truncation": "head"}
     assert b.meta.extra["recipe"]["name"] == "imdb-smoke"
     enc = b.tokenizer.encode_batch(["a great wonderful film"], 64)
     assert b.model(enc.input_ids, enc.attention_mask).shape == (1, 2)

@@ -36,6 +36,10 @@ register_preset("vit_test", ViTConfig(patch_size=8, embed_dim=32, depth=2, num_h
 register_preset("vit_nano_patch4_32", ViTConfig(embed_dim=128, depth=6, num_heads=4,
                                                 mlp_ratio=2.0, drop_path_rate=0.0),
                 "CPU-budget ViT, 6x128")
+register_preset("vit_nano_convstem_32", ViTConfig(embed_dim=128, depth=6, num_heads=4,
+                                                  mlp_ratio=2.0, drop_path_rate=0.0,
+                                                  stem="conv", stem_width=32),
+                "CPU-budget ViT, 6x128, conv stem (3x3 convs to the 8x8 grid)")
 register_preset("vit_micro_patch4_32", ViTConfig(embed_dim=192, depth=6, num_heads=3,
                                                  drop_path_rate=0.05), "6x192")
 register_preset("vit_tiny_patch4_32", ViTConfig(embed_dim=192, depth=12, num_heads=3,
