@@ -1,15 +1,18 @@
-"""The training loop shared by the image and text tasks.
+"""The training run shared by the image and text tasks.
 
-``train(recipe, ...)`` builds the task (data on the device), the model (from scratch, or with a
-pretrained encoder: ``recipe.init``, see :mod:`training.init`), AdamW with weight-decay groups
-(optionally layer-wise lr decay, or only the head for a frozen-encoder linear probe), a per-step
-cosine schedule with linear warm-up, optional EMA; runs epochs of steps with soft-target
-cross-entropy (label smoothing, CutMix/Mixup) - or, for the ``mae`` / ``mlm`` pretraining
-objectives, the model's own masked-reconstruction loss - gradient clipping, bf16 autocast and
-``torch.compile`` on CUDA; evaluates every epoch; checkpoints atomically; logs to MLflow; and at
-the end writes the model bundle, registers it and moves the ``champion`` alias if it is better.
-A pretraining run's bundle holds its encoder only (headless ViT / text encoder, its config and,
-for text, the tokenizer): what fine-tuning starts from.
+``train(recipe, ...)`` builds the task (data on the device), the model (from scratch - with
+optional whitened patch filters or mimetic attention - or with a pretrained encoder:
+``recipe.init``, see :mod:`training.init`), AdamW with weight-decay groups (optionally layer-wise
+lr decay, or only the head for a frozen-encoder linear probe) and the per-update schedule
+(:mod:`training.optim`: warm-up, cosine or linear decay to ``min_lr`` on the last update), an
+optional EMA; runs steps (:mod:`training.step`: soft-target cross-entropy - label smoothing,
+CutMix/Mixup - or, for the ``mae`` / ``mlm`` objectives, the model's own loss; gradient
+clipping; bf16 autocast and ``torch.compile`` where asked); evaluates every epoch; checkpoints
+atomically; logs to MLflow; and at the end publishes (:mod:`training.publish`): the bundle, its
+registration and the ``champion`` alias if it is better.
+
+``budget_minutes``: the run is sized to the wall clock instead of ``epochs``
+(:class:`training.optim.BudgetPlanner`, re-planned from the measured throughput as it goes).
 
 Stopping: ``max_steps`` (status ``stopped``; the model is still evaluated and registered),
 SIGTERM (status ``interrupted``: checkpoint at the end of the current step, MLflow run marked
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import signal
 import threading
 import time
@@ -30,10 +32,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from training import checkpoint as ckpt_io
 from training.distributed import (
@@ -68,7 +68,14 @@ from training.optim import (  # noqa: F401 (CosineWarmup, lr_at, layer_id: re-ex
 )
 from training.progress import Progress
 from training.recipes import Recipe, apply_overrides, validate_recipe
-from training.tasks import Batch, Task, build_task
+from training.step import (  # noqa: F401 (soft_cross_entropy, train_step: re-exported)
+    StepWindow,
+    freeze_encoder,
+    seed_everything,
+    soft_cross_entropy,
+    train_step,
+)
+from training.tasks import Task, build_task
 from vit_service.config import Settings, get_settings
 from vit_service.data.tokenizer import TextTokenizer
 from vit_service.models import config_to_dict, count_parameters
@@ -82,65 +89,6 @@ EXIT_SIGTERM, EXIT_SIGINT = 143, 130
 PUBLISH_RESERVE_S = 5.0
 WHITEN_IMAGES = 5000  # training images whose patches set init.whiten_patches
 BUDGET_MARGIN = 0.01
-
-
-# ----------------------------------------------------------------------------- steps
-
-
-def freeze_encoder(model: nn.Module) -> int:
-    """Linear probe: only ``head.*`` keeps ``requires_grad``; returns the trainable count."""
-    n = 0
-    for name, p in model.named_parameters():
-        p.requires_grad_(name.startswith("head."))
-        n += p.numel() if p.requires_grad else 0
-    if n == 0:
-        raise ValueError("freeze_encoder: the model has no head.* parameters")
-    return n
-
-
-def soft_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean over the batch of ``-sum_k targets_k * log_softmax(logits)_k``."""
-    return torch.sum(-targets * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
-
-
-def train_step(
-    train_model: nn.Module,
-    model: nn.Module,
-    task: Task,
-    batch: Batch,
-    optimizer: torch.optim.Optimizer,
-    grad_clip: float | None = None,
-    amp_dtype: torch.dtype | None = None,
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """One optimisation step: forward (``train_model``: maybe DDP/compiled ``model``) under
-    autocast, soft-target cross-entropy (or the mae/mlm model's own loss), backward, clip,
-    AdamW. Returns the detached loss, the logits (None when pretraining) and the pre-clip
-    gradient norm (None without clipping)."""
-    device_type = batch.labels.device.type
-    logits = None
-    with torch.autocast(device_type, dtype=amp_dtype or torch.bfloat16,
-                        enabled=amp_dtype is not None):
-        if task.objective == "classify":
-            logits = task.forward(train_model, batch)
-        else:
-            loss = task.pretrain_loss(train_model, batch).float()
-    if logits is not None:
-        assert batch.targets is not None
-        loss = soft_cross_entropy(logits, batch.targets)
-    loss.backward()
-    gnorm = None
-    if grad_clip:
-        params = [p for p in model.parameters() if p.requires_grad]
-        gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach(), None if logits is None else logits.detach(), gnorm
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)  # all devices
 
 
 # ----------------------------------------------------------------------------- the run
@@ -438,7 +386,7 @@ class _Run:
 
     # ------------------------------------------------------------------ loop
 
-    def _eval_model(self) -> nn.Module:
+    def eval_model(self) -> nn.Module:
         return self.ema.module if self.ema is not None else self.model
 
     def evaluate(self) -> EvalResult | LossResult:
@@ -447,11 +395,11 @@ class _Run:
         if self.recipe.pretraining:
             with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.bfloat16,
                                 enabled=self.amp_dtype is not None):
-                res = self.task.pretrain_eval(self._eval_model(), self.recipe.eval_batch_size,
+                res = self.task.pretrain_eval(self.eval_model(), self.recipe.eval_batch_size,
                                               reduce)
         else:
             batches = self.task.val_batches(self.recipe.eval_batch_size)
-            res = evaluate_batches(self._eval_model(), batches, self.task.forward,
+            res = evaluate_batches(self.eval_model(), batches, self.task.forward,
                                    self.task.class_names, self.device, self.amp_dtype, reduce)
         self.last_eval, self.last_eval_step = res, self.step
         self._set_train_mode()
@@ -527,7 +475,7 @@ class _Run:
 
     def _loop(self, train_model: nn.Module, run_id: str | None) -> str:
         r = self.recipe
-        win = _Window(has_acc=not r.pretraining)
+        win = StepWindow(has_acc=not r.pretraining)
         self._set_train_mode()
         if self.budget is not None:
             self._budget_probe()
@@ -606,9 +554,9 @@ class _Run:
         with torch.no_grad():
             for batch in self.task.val_batches(bs):
                 if self.recipe.pretraining:
-                    self.task.pretrain_loss(self._eval_model(), batch)
+                    self.task.pretrain_loss(self.eval_model(), batch)
                 else:
-                    self.task.forward(self._eval_model(), batch)
+                    self.task.forward(self.eval_model(), batch)
                 n = int(batch.labels.shape[0])
                 break
             else:
@@ -650,7 +598,7 @@ class _Run:
             self.mlrun.log_metrics({"budget/planned_steps": self.total_steps,
                                     "budget/steps_per_s": self.budget.rate or 0.0}, self.step)
 
-    def _log_window(self, win: _Window, lr: float) -> None:
+    def _log_window(self, win: StepWindow, lr: float) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         m = win.flush(self.dist.world_size)
@@ -699,111 +647,7 @@ class _Run:
                            self.ckpt_path, exit_code)
 
     def _publish(self, run_id: str | None) -> str | None:
-        """Artifacts, bundle, registration (rank 0)."""
-        from vit_service.bundle import BundleMeta, save_bundle
+        """Artifacts, bundle, registration (rank 0): :mod:`training.publish`."""
+        from training.publish import publish
 
-        r, res = self.recipe, self.last_eval
-        assert res is not None
-        model = self._eval_model()
-        art_dir = self.run_dir / "artifacts"
-        art_dir.mkdir(parents=True, exist_ok=True)
-        if isinstance(res, LossResult):
-            return self._publish_encoder(run_id, model, res, art_dir)
-        (art_dir / "per_class.txt").write_text(res.format_table() + "\n")
-        attn_path = None
-        try:
-            attn_path = self.task.attention_report(model, art_dir, r.attention_samples)
-        except Exception:  # an artifact must not fail the run
-            log.exception("attention report failed")
-        meta = BundleMeta(
-            task=self.task.kind,  # type: ignore[arg-type]
-            model_config=self.model_config, class_names=self.task.class_names,
-            preprocess=self.task.bundle_preprocess(),
-            extra={"recipe": r.to_dict(), "val_acc": res.acc, "val_loss": res.loss,
-                   "run_id": run_id, "run_name": self.run_name, "step": self.step,
-                   "ema": self.ema is not None, "objective": r.objective,
-                   "lineage": self.lineage.to_dict()},
-        )
-        bundle_dir = save_bundle(self.run_dir / "bundle", model, meta, self.task.tokenizer)
-        if self.mlrun is None:
-            return None
-        self.mlrun.log_eval_report(res, art_dir, self.step)
-        if attn_path is not None:
-            self.mlrun.log_artifact(attn_path, "attention")
-        return self.mlrun.register(bundle_dir, self.task.kind,
-                                   r.register_as if self.register else None)
-
-    def _publish_encoder(self, run_id: str | None, model: nn.Module, res: LossResult,
-                         art_dir: Path) -> str | None:
-        """Pretraining (mae/mlm): the reconstruction picture, and a bundle of the encoder
-        alone (headless ViT / text encoder + tokenizer) registered without a champion."""
-        from vit_service.bundle import BundleMeta, save_bundle
-
-        r = self.recipe
-        picture = None
-        try:
-            n = r.mae.samples if r.mae is not None else 0
-            picture = self.task.pretrain_report(model, art_dir, n)
-        except Exception:  # an artifact must not fail the run
-            log.exception("reconstruction picture failed")
-        spec = r.mae if r.mae is not None else r.mlm
-        meta = BundleMeta(
-            task=self.task.kind,  # type: ignore[arg-type]
-            model_config=self.model_config, class_names=[],
-            preprocess=self.task.bundle_preprocess(),
-            extra={"recipe": r.to_dict(), "objective": r.objective,
-                   "pretrain": spec.model_dump(mode="json") if spec else {},
-                   "val_loss": res.loss, "run_id": run_id, "run_name": self.run_name,
-                   "step": self.step, "ema": self.ema is not None,
-                   "lineage": self.lineage.to_dict()},
-        )
-        bundle_dir = save_bundle(self.run_dir / "bundle", encoder_of(model), meta,
-                                 self.task.tokenizer)
-        if self.mlrun is None:
-            return None
-        if picture is not None:
-            self.mlrun.log_artifact(picture, "reconstructions")
-        return self.mlrun.register(bundle_dir, self.task.kind,
-                                   r.register_as if self.register else None, promote=False)
-
-
-class _Window:
-    """Running sums between two train-metric logs (tensors: no device sync per step)."""
-
-    def __init__(self, has_acc: bool = True) -> None:
-        self.has_acc = has_acc
-        self.reset()
-
-    def reset(self) -> None:
-        self.loss: Tensor | float = 0.0
-        self.correct: Tensor | float = 0.0
-        self.gnorm: Tensor | float = 0.0
-        self.n_gnorm = self.steps = self.examples = self.items = 0
-        self.data_t = 0.0
-        self.t0 = time.perf_counter()
-
-    def add(self, loss: Tensor, correct: Tensor | float, batch: Any, gnorm: Tensor | None,
-            t_data: float, t_step: float) -> None:
-        self.loss = self.loss + loss
-        self.correct = self.correct + correct
-        if gnorm is not None:
-            self.gnorm = self.gnorm + gnorm
-            self.n_gnorm += 1
-        self.steps += 1
-        self.examples += int(batch.labels.shape[0])
-        self.items += batch.n_items
-        self.data_t += t_data
-
-    def flush(self, world_size: int) -> dict[str, float] | None:
-        if not self.steps:
-            return None
-        elapsed = max(time.perf_counter() - self.t0, 1e-9)
-        m = {"loss": float(self.loss) / self.steps, "acc": float(self.correct) / self.examples,
-             "throughput": self.items * world_size / elapsed,
-             "data_time_frac": self.data_t / elapsed}
-        if not self.has_acc:
-            del m["acc"]
-        if self.n_gnorm:
-            m["grad_norm"] = float(self.gnorm) / self.n_gnorm
-        self.reset()
-        return m
+        return publish(self, run_id)

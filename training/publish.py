@@ -1,0 +1,86 @@
+"""The end of a run: the artifacts (per-class table, attention sheet or reconstruction
+picture), the model bundle, and its registration in MLflow (the champion alias for a
+classifier; an encoder from pretraining is registered without one)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from training.evaluate import LossResult
+from training.init import encoder_of
+from vit_service.bundle import BundleMeta, save_bundle
+
+if TYPE_CHECKING:
+    from training.trainer import _Run
+
+log = logging.getLogger(__name__)
+
+
+def publish(run: _Run, run_id: str | None) -> str | None:
+    """The end of a run (rank 0): artifacts, the bundle, registration; returns the registered
+    version (None without MLflow)."""
+    r, res = run.recipe, run.last_eval
+    assert res is not None
+    model = run.eval_model()
+    art_dir = run.run_dir / "artifacts"
+    art_dir.mkdir(parents=True, exist_ok=True)
+    if isinstance(res, LossResult):
+        return publish_encoder(run, run_id, model, res, art_dir)
+    (art_dir / "per_class.txt").write_text(res.format_table() + "\n")
+    attn_path = None
+    try:
+        attn_path = run.task.attention_report(model, art_dir, r.attention_samples)
+    except Exception:  # an artifact must not fail the run
+        log.exception("attention report failed")
+    meta = BundleMeta(
+        task=run.task.kind,  # type: ignore[arg-type]
+        model_config=run.model_config, class_names=run.task.class_names,
+        preprocess=run.task.bundle_preprocess(),
+        extra={"recipe": r.to_dict(), "val_acc": res.acc, "val_loss": res.loss,
+               "run_id": run_id, "run_name": run.run_name, "step": run.step,
+               "ema": run.ema is not None, "objective": r.objective,
+               "lineage": run.lineage.to_dict()},
+    )
+    bundle_dir = save_bundle(run.run_dir / "bundle", model, meta, run.task.tokenizer)
+    if run.mlrun is None:
+        return None
+    run.mlrun.log_eval_report(res, art_dir, run.step)
+    if attn_path is not None:
+        run.mlrun.log_artifact(attn_path, "attention")
+    return run.mlrun.register(bundle_dir, run.task.kind,
+                               r.register_as if run.register else None)
+
+def publish_encoder(run: _Run, run_id: str | None, model: nn.Module, res: LossResult,
+                    art_dir: Path) -> str | None:
+    """Pretraining (mae/mlm): the reconstruction picture, and a bundle of the encoder
+    alone (headless ViT / text encoder + tokenizer) registered without a champion."""
+    r = run.recipe
+    picture = None
+    try:
+        n = r.mae.samples if r.mae is not None else 0
+        picture = run.task.pretrain_report(model, art_dir, n)
+    except Exception:  # an artifact must not fail the run
+        log.exception("reconstruction picture failed")
+    spec = r.mae if r.mae is not None else r.mlm
+    meta = BundleMeta(
+        task=run.task.kind,  # type: ignore[arg-type]
+        model_config=run.model_config, class_names=[],
+        preprocess=run.task.bundle_preprocess(),
+        extra={"recipe": r.to_dict(), "objective": r.objective,
+               "pretrain": spec.model_dump(mode="json") if spec else {},
+               "val_loss": res.loss, "run_id": run_id, "run_name": run.run_name,
+               "step": run.step, "ema": run.ema is not None,
+               "lineage": run.lineage.to_dict()},
+    )
+    bundle_dir = save_bundle(run.run_dir / "bundle", encoder_of(model), meta,
+                             run.task.tokenizer)
+    if run.mlrun is None:
+        return None
+    if picture is not None:
+        run.mlrun.log_artifact(picture, "reconstructions")
+    return run.mlrun.register(bundle_dir, run.task.kind,
+                               r.register_as if run.register else None, promote=False)
