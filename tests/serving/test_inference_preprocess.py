@@ -1,0 +1,52 @@
+"""What the served model does by default is what training evaluated: head+tail truncation of
+texts and a mean-pooling model's attention maps read the mean token row."""
+
+from datetime import datetime, timezone
+
+import torch
+
+from serving.inference import TextJob, run_text_jobs
+from serving.model_store import LoadedModel, Resolved
+from serving.schemas import AttentionKind
+from vit_service.bundle import BundleMeta, ModelBundle
+from vit_service.data.tokenizer import TextTokenizer
+from vit_service.models import config_to_dict, create_model
+
+WORDS = [f"w{i}" for i in range(40)]
+
+
+def _loaded(truncation: str, pool: str = "mean") -> LoadedModel:
+    tok = TextTokenizer.train([" ".join(WORDS)] * 20, vocab_size=120)
+    torch.manual_seed(0)
+    net = create_model("text_test", vocab_size=tok.vocab_size, max_len=12, pool=pool,
+                       pad_id=tok.pad_id).eval()
+    meta = BundleMeta(task="text", model_config=config_to_dict(net.config),
+                      class_names=["negative", "positive"],
+                      preprocess={"max_len": 12, "truncation": truncation})
+    return LoadedModel("m", "test", ModelBundle(net, meta, tok), Resolved("x"), None,
+                       datetime.now(timezone.utc), 0.0)
+
+
+def test_served_text_is_truncated_as_the_model_was_trained() -> None:
+    text = " ".join(WORDS)
+    for truncation, expected in (("head", WORDS[:11]), ("head_tail", WORDS[:2] + WORDS[-9:])):
+        model = _loaded(truncation)
+        out = run_text_jobs(model, [TextJob([text], 2, AttentionKind.rollout)])[0]
+        res = out.results[0]
+        assert res["tokens"] == expected and res["truncated"] is True
+        assert model.query == "mean"
+
+
+def test_mean_pooling_models_read_the_mean_token_row() -> None:
+    from vit_service.attention_maps import attention_rollout
+
+    model = _loaded("head", pool="mean")
+    tok, net = model.bundle.tokenizer, model.bundle.model
+    enc = tok.encode_batch(["w1 w2 w3 w4"], 12)
+    with torch.no_grad():
+        _, attn = net.forward_with_attention(enc.input_ids, enc.attention_mask)
+    want = attention_rollout(attn, attention_mask=enc.attention_mask, query="mean")[0]
+    out = run_text_jobs(model, [TextJob(["w1 w2 w3 w4"], 2, AttentionKind.rollout)])[0]
+    got = torch.tensor(out.results[0]["attention"]["rollout"])
+    assert torch.allclose(got, want, atol=1e-5)
+    assert _loaded("head", pool="cls").query == "cls"
