@@ -320,7 +320,7 @@ def test_layer_wise_lr_decay_groups_and_their_lrs() -> None:
     model = create_model("vit_test")  # depth 2: embeddings 0, blocks 1-2, head/norm 3
     groups = param_groups(model, 0.05, layer_decay=0.5)
     opt = torch.optim.AdamW(groups, lr=1.0)
-    CosineWarmup(opt, 2.0, 100, 0).apply()  # step 0 after no warm-up: base lr 2.0
+    CosineWarmup(opt, 2.0, 100, 1).apply()  # step 0 ends a 1-step warm-up: base lr 2.0
     names = {id(p): n for n, p in model.named_parameters()}
     lr_of = {names[id(p)]: g["lr"] for g in opt.param_groups for p in g["params"]}
     assert set(lr_of) == set(names.values())
@@ -368,7 +368,8 @@ def test_pretraining_recipes_and_their_rules() -> None:
     r = load_recipe("cifar10-mae-pretrain")
     assert r.objective == "mae" and r.pretraining and r.mae is not None
     assert r.mae.mask_ratio == 0.75 and r.register_as == "cifar10-mae"
-    assert r.to_dict()["init"] == {"from": None, "timm": None, "timm_file": None}
+    assert r.to_dict()["init"] == {"from": None, "timm": None, "timm_file": None,
+                                   "whiten_patches": False, "mimetic": False}
     ft = load_recipe("cifar10-vit-finetune")
     assert ft.init.from_ == "models:/cifar10-mae@latest" and ft.optim.layer_decay == 0.75
     assert (ft.data.val_size, ft.data.split_seed) == (r.data.val_size, r.data.split_seed)
