@@ -27,6 +27,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from training.init import encoder_of
+
 log = logging.getLogger(__name__)
 
 EMBEDDING_PARAMS = ("patch_embed.", "stem.", "cls_token", "pos_embed", "tok_embed.")
@@ -49,10 +51,6 @@ def layer_id(name: str, num_layers: int) -> int:
     return num_layers + 1
 
 
-def _encoder_of(model: nn.Module) -> nn.Module:
-    return getattr(model, "encoder", model)
-
-
 def param_groups(model: nn.Module, weight_decay: float,
                  layer_decay: float | None = None) -> list[dict[str, Any]]:
     """AdamW groups of the trainable parameters: decayed (weight matrices) and not decayed
@@ -62,7 +60,7 @@ def param_groups(model: nn.Module, weight_decay: float,
     multiplies its lr by it) and a ``name`` like ``layer3_decay``. Frozen parameters
     (``requires_grad=False``) are left out."""
     skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
-    blocks = getattr(_encoder_of(model), "blocks", None)
+    blocks = getattr(encoder_of(model), "blocks", None)
     num_layers = len(blocks) if blocks is not None else 0
     groups: dict[tuple[int, bool], dict[str, Any]] = {}
     for name, p in model.named_parameters():
@@ -246,8 +244,7 @@ class BudgetPlanner:
         self.planned_steps = step + max(0, int(left / per_step))
         self._last_plan = now
         if self.first_plan is None:
-            self.first_plan = {"steps": float(self.planned_steps), "steps_per_s": self.rate,
-                               "at_step": float(step)}
+            self.first_plan = {"steps": float(self.planned_steps), "steps_per_s": self.rate}
         return self.planned_steps
 
     def state_dict(self) -> dict[str, Any]:
