@@ -2,16 +2,19 @@
 attention maps split back per request.
 
 Everything here is blocking and runs in the single inference thread (so the event loop stays
-free and torch's own threads are not oversubscribed). Within a batch, jobs that asked for
-attention and jobs that did not are run as two groups: the first through
-``forward_with_attention`` (explicit attention, weights returned from the very pass that gives
-the logits), the second through the fused fast path.
+free and torch's own threads are not oversubscribed). Within a batch, jobs are run in up to
+three groups by what they asked for: no maps (the fused fast path), attention maps
+(``forward_with_attention``: explicit attention, weights returned from the very pass that gives
+the logits), and relevance (the same pass with the weights kept in the graph and one backward to
+them, :func:`vit_service.explain.explain`). Faithfulness curves, where asked for, run their
+perturbed inputs in batched forwards right after their group.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -21,11 +24,12 @@ from PIL import Image
 
 from serving.batching import MicroBatcher
 from serving.errors import InvalidRequestError, ModelNotLoadedError
+from serving.explanations import ExplainSpec, faithfulness_dict, scored_maps
 from serving.metrics import ServingMetrics
 from serving.model_store import LoadedModel, ModelStore
-from serving.schemas import AttentionKind
-from vit_service.attention_maps import compute_attention_maps, overlay_heatmap
+from vit_service.attention_maps import AttentionMaps, compute_attention_maps, overlay_heatmap
 from vit_service.config import Settings
+from vit_service.explain import explain, faithfulness_curves, image_probs_fn, text_probs_fn
 from vit_service.preprocess import images_to_tensor
 
 log = logging.getLogger(__name__)
@@ -41,7 +45,7 @@ class ImageInput:
 class ImageJob:
     inputs: list[ImageInput]
     top_k: int
-    attention: AttentionKind
+    spec: ExplainSpec
     overlay: bool = False
 
     @property
@@ -53,7 +57,7 @@ class ImageJob:
 class TextJob:
     texts: list[str]
     top_k: int
-    attention: AttentionKind
+    spec: ExplainSpec
 
     @property
     def size(self) -> int:
@@ -69,6 +73,17 @@ class JobOutput:
     results: list[dict[str, Any]]  # ImageResult / TextResult fields, one per input
 
 
+@dataclass
+class Forward:
+    """One group's forward: probabilities ``(B, K)``, maps (None on the fused path),
+    relevance ``(B, *S)`` and the explained class per item ``(B,)`` (None without it)."""
+
+    probs: torch.Tensor
+    maps: AttentionMaps | None
+    relevance: torch.Tensor | None
+    target: torch.Tensor | None
+
+
 def _predictions(probs: torch.Tensor, top_k: int, class_names: list[str]) -> list[dict[str, Any]]:
     """``probs`` ``(K,)`` -> top-k ``{"label", "index", "probability"}``, most probable first."""
     p, idx = probs.topk(min(top_k, probs.shape[-1]))
@@ -78,35 +93,96 @@ def _predictions(probs: torch.Tensor, top_k: int, class_names: list[str]) -> lis
     ]
 
 
-def _groups(jobs: list[Job]) -> dict[bool, list[int]]:
-    """Job indices by whether they need attention maps (two forward paths)."""
-    out: dict[bool, list[int]] = {}
+def _groups(jobs: Sequence[Job]) -> dict[int, list[int]]:
+    """Job indices by forward path (fused / explicit attention / with gradients)."""
+    out: dict[int, list[int]] = {}
     for i, job in enumerate(jobs):
-        out.setdefault(job.attention != AttentionKind.none, []).append(i)
+        out.setdefault(job.spec.path, []).append(i)
     return out
+
+
+def _targets(jobs: Sequence[Job], idxs: list[int]) -> torch.Tensor:
+    """Per input row, the requested class or -1 (= the predicted one)."""
+    return torch.tensor([-1 if jobs[i].spec.target is None else jobs[i].spec.target
+                         for i in idxs for _ in range(jobs[i].size)], dtype=torch.long)
+
+
+def _forward(model: LoadedModel, jobs: Sequence[Job], idxs: list[int], path: int,
+             inputs: tuple[torch.Tensor, ...], mask: torch.Tensor | None) -> Forward:
+    """Run one group through the model's fused, explicit or gradient path."""
+    net = model.bundle.model
+    heads = any(jobs[i].spec.heads for i in idxs)
+    rel = target = None
+    with torch.inference_mode():
+        if path == 2:
+            ex = explain(net, inputs, _targets(jobs, idxs), mask, model.grid, model.query)
+            logits, attn, rel, target = ex.logits, ex.attn, ex.relevance, ex.target
+        elif path == 1:
+            logits, attn = net.forward_with_attention(*inputs)  # attn (L, B, H, T, T)
+        else:
+            logits, attn = net(*inputs), None
+        probs = logits.float().softmax(-1)  # (B, K)
+        maps = None if attn is None else compute_attention_maps(
+            attn, attention_mask=mask, grid=model.grid, with_heads=heads, query=model.query)
+    return Forward(probs, maps, rel, target)
+
+
+def _explained(fwd: Forward, jobs: Sequence[Job], idxs: list[int]) -> torch.Tensor:
+    """Per input row, the class faithfulness follows: relevance's target, else the requested
+    one, else the predicted one."""
+    if fwd.target is not None:
+        return fwd.target
+    req = _targets(jobs, idxs)
+    return torch.where(req < 0, fwd.probs.argmax(-1), req)
+
+
+def _faithfulness(
+    model: LoadedModel, jobs: Sequence[Job], idxs: list[int], fwd: Forward,
+    probs_fn: Callable[[list[int], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]],
+    valid: torch.Tensor, removal: str,
+) -> dict[int, dict[str, Any]]:
+    """Faithfulness dicts by input row, for the jobs of the group that asked for them."""
+    rows = [r for r, i in enumerate(i for i in idxs for _ in range(jobs[i].size))
+            if jobs[i].spec.faithfulness]
+    if not rows or fwd.maps is None:
+        return {}
+    spec = next(jobs[i].spec for i in idxs if jobs[i].spec.faithfulness)
+    target = _explained(fwd, jobs, idxs)[rows]
+    p_full = fwd.probs[rows].gather(1, target[:, None])[:, 0]
+    maps = scored_maps(spec, fwd.maps.rollout, fwd.relevance, rows)
+    with torch.inference_mode():
+        curves = faithfulness_curves(maps, valid[rows], probs_fn(rows, target), p_full)
+    names = model.bundle.meta.class_names
+    return {row: faithfulness_dict(curves, k, int(target[k]), names, removal)
+            for k, row in enumerate(rows)}
+
+
+def _target_ref(fwd: Forward, row: int, names: list[str]) -> dict[str, Any] | None:
+    if fwd.target is None:
+        return None
+    t = int(fwd.target[row])
+    return {"label": names[t], "index": t}
 
 
 def run_image_jobs(model: LoadedModel, jobs: list[ImageJob]) -> list[JobOutput | Exception]:
     net, meta = model.bundle.model, model.bundle.meta
+    names = meta.class_names
     outputs: list[JobOutput | Exception] = [InvalidRequestError("not run")] * len(jobs)
-    for need_attn, idxs in _groups(list(jobs)).items():
+    for path, idxs in _groups(jobs).items():
         try:
             images = [inp.image for i in idxs for inp in jobs[i].inputs]
             x = images_to_tensor(images, meta)  # (B, 3, S, S)
-            with torch.inference_mode():
-                if need_attn:
-                    logits, attn = net.forward_with_attention(x)  # attn (L, B, H, T, T)
-                else:
-                    logits, attn = net(x), None
-                probs = logits.float().softmax(-1)  # (B, K)
-                maps = None
-                if attn is not None:
-                    heads = any(jobs[i].attention == AttentionKind.heads for i in idxs)
-                    maps = compute_attention_maps(attn, grid=model.grid, with_heads=heads,
-                                                  query=model.query)
+            fwd = _forward(model, jobs, idxs, path, (x,), None)
+            maps = fwd.maps
+            gh, gw = model.grid or (1, 1)
+            faith = _faithfulness(
+                model, jobs, idxs, fwd,
+                lambda rows, tgt, x=x, p=x.shape[-1] // gw: image_probs_fn(net, x[rows], tgt, p),
+                torch.ones(x.shape[0], gh * gw, dtype=torch.bool), "mean_colour")
             rollout = maps.rollout.tolist() if maps else None
             layers = maps.layers.tolist() if maps else None
             head_list = maps.heads.tolist() if maps and maps.heads is not None else None
+            rel = fwd.relevance.tolist() if fwd.relevance is not None else None
             row = 0
             for i in idxs:
                 job, results = jobs[i], []
@@ -115,9 +191,10 @@ def run_image_jobs(model: LoadedModel, jobs: list[ImageJob]) -> list[JobOutput |
                         "filename": inp.filename,
                         "width": inp.image.width,
                         "height": inp.image.height,
-                        "predictions": _predictions(probs[row], job.top_k, meta.class_names),
+                        "predictions": _predictions(fwd.probs[row], job.top_k, names),
                         "attention": None,
                         "overlay_png": None,
+                        "faithfulness": faith.get(row),
                     }
                     if maps is not None:
                         res["attention"] = {
@@ -125,11 +202,14 @@ def run_image_jobs(model: LoadedModel, jobs: list[ImageJob]) -> list[JobOutput |
                             "rollout": rollout[row],
                             "layers": layers[row],
                             "heads": head_list[row] if (
-                                head_list is not None and job.attention == AttentionKind.heads
-                            ) else None,
+                                head_list is not None and job.spec.heads) else None,
+                            "relevance": rel[row] if rel is not None else None,
+                            "target": _target_ref(fwd, row, names),
                         }
                         if job.overlay:
-                            png = overlay_heatmap(inp.image, maps.rollout[row])
+                            heat = (fwd.relevance if job.spec.primary == "relevance"
+                                    and fwd.relevance is not None else maps.rollout)[row]
+                            png = overlay_heatmap(inp.image, heat)
                             res["overlay_png"] = base64.b64encode(png).decode("ascii")
                     results.append(res)
                     row += 1
@@ -143,25 +223,23 @@ def run_image_jobs(model: LoadedModel, jobs: list[ImageJob]) -> list[JobOutput |
 
 def run_text_jobs(model: LoadedModel, jobs: list[TextJob]) -> list[JobOutput | Exception]:
     net, meta, tok = model.bundle.model, model.bundle.meta, model.bundle.tokenizer
+    names = meta.class_names
     outputs: list[JobOutput | Exception] = [InvalidRequestError("not run")] * len(jobs)
     max_len = int(meta.preprocess["max_len"])
     truncation = meta.preprocess.get("truncation", "head")  # as the model was trained
-    for need_attn, idxs in _groups(list(jobs)).items():
+    prefix = getattr(net, "num_prefix_tokens", 1)
+    for path, idxs in _groups(jobs).items():
         try:
             texts = [t for i in idxs for t in jobs[i].texts]
             enc = tok.encode_batch(texts, max_len, truncation)  # [CLS] + pieces, padded
             ids, mask = enc.input_ids, enc.attention_mask  # (B, T), (B, T) True = real
-            with torch.inference_mode():
-                if need_attn:
-                    logits, attn = net.forward_with_attention(ids, mask)
-                else:
-                    logits, attn = net(ids, mask), None
-                probs = logits.float().softmax(-1)
-                maps = None
-                if attn is not None:
-                    heads = any(jobs[i].attention == AttentionKind.heads for i in idxs)
-                    maps = compute_attention_maps(attn, attention_mask=mask, with_heads=heads,
-                                                  query=model.query)
+            fwd = _forward(model, jobs, idxs, path, (ids, mask), mask)
+            maps = fwd.maps
+            faith = _faithfulness(
+                model, jobs, idxs, fwd,
+                lambda rows, tgt, ids=ids, mask=mask: text_probs_fn(
+                    net, ids[rows], mask[rows], tgt, prefix),
+                mask[:, prefix:], "attention_mask")
             lengths = mask.sum(1).tolist()
             row = 0
             for i in idxs:
@@ -169,18 +247,21 @@ def run_text_jobs(model: LoadedModel, jobs: list[TextJob]) -> list[JobOutput | E
                 for _ in job.texts:
                     n = int(lengths[row]) - 1  # real tokens after [CLS]
                     res: dict[str, Any] = {
-                        "predictions": _predictions(probs[row], job.top_k, meta.class_names),
+                        "predictions": _predictions(fwd.probs[row], job.top_k, names),
                         "tokens": enc.tokens(row)[1:],
                         "truncated": bool(enc.truncated[row]),
                         "attention": None,
+                        "faithfulness": faith.get(row),
                     }
                     if maps is not None:
                         res["attention"] = {
                             "rollout": maps.rollout[row, :n].tolist(),
                             "layers": maps.layers[row, :, :n].tolist(),
                             "heads": maps.heads[row, :, :, :n].tolist() if (
-                                maps.heads is not None and job.attention == AttentionKind.heads
-                            ) else None,
+                                maps.heads is not None and job.spec.heads) else None,
+                            "relevance": fwd.relevance[row, :n].tolist()
+                            if fwd.relevance is not None else None,
+                            "target": _target_ref(fwd, row, names),
                         }
                     results.append(res)
                     row += 1

@@ -14,13 +14,16 @@ class AttentionKind(str, Enum):
 
     ``none``: no maps (fused fast attention path). ``rollout`` and ``layers``: the rollout map
     and the per-layer maps (both are always returned together; they are cheap). ``heads``:
-    additionally the per-layer, per-head maps.
+    additionally the per-layer, per-head maps. ``relevance``: additionally the gradient-weighted
+    relevance of Chefer et al. (2021) for the predicted (or ``target``) class: one backward to
+    the attention weights in the same pass. Kinds combine (``heads`` and ``relevance``).
     """
 
     none = "none"
     rollout = "rollout"
     layers = "layers"
     heads = "heads"
+    relevance = "relevance"
 
 
 # --- shared ------------------------------------------------------------------------------------
@@ -51,6 +54,38 @@ class Prediction(BaseModel):
     probability: float = Field(ge=0, le=1)
 
 
+class ClassRef(BaseModel):
+    label: str
+    index: int = Field(description="class index")
+
+
+class FaithfulnessCurve(BaseModel):
+    deletion: list[float] = Field(
+        description="probability of the explained class after removing the most relevant "
+        "share `fractions[i]` of the patches/tokens (falls fast for a faithful map)")
+    insertion: list[float] = Field(
+        description="the same after revealing only them, starting from nothing (rises fast)")
+    deletion_auc: float = Field(description="area under `deletion` (lower is better)")
+    insertion_auc: float = Field(description="area under `insertion` (higher is better)")
+
+
+class Faithfulness(BaseModel):
+    """Deletion and insertion curves (10 steps) of each returned map and of a random order.
+
+    Images: a removed patch is filled with the image's mean colour; texts: a removed token is
+    masked out of attention. All perturbed inputs run in one batched pass."""
+
+    target: ClassRef = Field(description="the class whose probability the curves follow")
+    fractions: list[float] = Field(description="share of patches/tokens removed or revealed")
+    removal: Literal["mean_colour", "attention_mask"]
+    maps: dict[str, FaithfulnessCurve] = Field(
+        description="per map (rollout, relevance if asked for) and `random`, the reference")
+    deletion_ratio: dict[str, float] = Field(
+        description="each map's deletion AUC / random's: below 1 beats chance, lower is better")
+    most_faithful: str = Field(
+        description="the map with the lowest deletion AUC, or `random` if none beats chance")
+
+
 # --- images ------------------------------------------------------------------------------------
 
 
@@ -66,6 +101,10 @@ class ImageAttention(BaseModel):
     heads: list[list[list[list[float]]]] | None = Field(
         None, description="per layer per head (L, H, *grid); only with attention=heads"
     )
+    relevance: list[list[float]] | None = Field(
+        None, description="gradient-weighted relevance for `target`, shape grid; only with "
+        "attention=relevance")
+    target: ClassRef | None = Field(None, description="the class relevance explains")
 
 
 class ImageResult(BaseModel):
@@ -75,8 +114,10 @@ class ImageResult(BaseModel):
     predictions: list[Prediction] = Field(description="top_k classes, most probable first")
     attention: ImageAttention | None = None
     overlay_png: str | None = Field(
-        None, description="base64 PNG of the rollout heatmap over the input (overlay=true)"
+        None, description="base64 PNG of the relevance (if asked for, else the rollout) heatmap "
+        "over the input (overlay=true)"
     )
+    faithfulness: Faithfulness | None = Field(None, description="only with faithfulness=true")
 
 
 class ImagePredictResponse(BaseModel):
@@ -100,7 +141,12 @@ class TextPredictRequest(BaseModel):
         None, min_length=1, max_length=200, description="served model name (default: settings)"
     )
     top_k: int = Field(2, ge=1, le=1000)
-    attention: AttentionKind = AttentionKind.rollout
+    attention: AttentionKind | list[AttentionKind] = Field(
+        AttentionKind.rollout, description="one kind or several, e.g. [\"heads\", \"relevance\"]")
+    target: str | int | None = Field(
+        None, description="class label or index to explain (relevance, faithfulness); default: "
+        "the predicted class")
+    faithfulness: bool = Field(False, description="also return deletion/insertion curves")
 
     @field_validator("text")
     @classmethod
@@ -127,6 +173,10 @@ class TextAttention(BaseModel):
     heads: list[list[list[float]]] | None = Field(
         None, description="per layer per head (L, H, n_tokens); only with attention=heads"
     )
+    relevance: list[float] | None = Field(
+        None, description="gradient-weighted relevance for `target`; only with "
+        "attention=relevance")
+    target: ClassRef | None = Field(None, description="the class relevance explains")
 
 
 class TextResult(BaseModel):
@@ -134,6 +184,7 @@ class TextResult(BaseModel):
     tokens: list[str] = Field(description="tokenizer pieces the model saw, after [CLS]")
     truncated: bool = Field(description="the text was cut to the model's max_len")
     attention: TextAttention | None = None
+    faithfulness: Faithfulness | None = Field(None, description="only with faithfulness=true")
 
 
 class TextPredictResponse(BaseModel):

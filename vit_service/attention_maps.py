@@ -107,7 +107,7 @@ def query_row(m: Tensor, query: Query, attention_mask: Tensor | None,
     return (rows * w).sum(dim=-2)
 
 
-def _normalise(
+def normalise_rows(
     rows: Tensor, attention_mask: Tensor | None, num_prefix_tokens: int, extra_dims: int
 ) -> Tensor:
     """Zero padded positions and renormalise the last dim to sum 1 (all zeros if it sums 0).
@@ -148,7 +148,7 @@ def attention_rollout(
     """
     joint = rollout_matrix(attn, head_fusion, residual)  # (B, T, T)
     row = query_row(joint, query, attention_mask, num_prefix_tokens)[:, num_prefix_tokens:]
-    return to_grid(_normalise(row, attention_mask, num_prefix_tokens, 0), grid)
+    return to_grid(normalise_rows(row, attention_mask, num_prefix_tokens, 0), grid)
 
 
 def layer_maps(
@@ -163,7 +163,7 @@ def layer_maps(
     or ``(B, L, gh, gw)``; each map sums to 1 over the non-``[CLS]`` tokens."""
     a = fuse_heads(_as_5d(attn), head_fusion).transpose(0, 1)  # (B, L, T, T)
     rows = query_row(a, query, attention_mask, num_prefix_tokens)[..., num_prefix_tokens:]
-    return to_grid(_normalise(rows, attention_mask, num_prefix_tokens, 1), grid)
+    return to_grid(normalise_rows(rows, attention_mask, num_prefix_tokens, 1), grid)
 
 
 def head_maps(
@@ -177,7 +177,7 @@ def head_maps(
     ``(B, L, H, gh, gw)``; each map sums to 1 over the non-``[CLS]`` tokens."""
     a = _as_5d(attn).transpose(0, 1)  # (B, L, H, T, T)
     rows = query_row(a, query, attention_mask, num_prefix_tokens)[..., num_prefix_tokens:]
-    return to_grid(_normalise(rows, attention_mask, num_prefix_tokens, 2), grid)
+    return to_grid(normalise_rows(rows, attention_mask, num_prefix_tokens, 2), grid)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from serving.errors import (
     UnsupportedMediaTypeError,
     error_responses,
 )
+from serving.explanations import build_spec
 from serving.inference import ImageInput, ImageJob, TextJob
 from serving.model_store import IMAGE_CONTENT_TYPES
 from serving.schemas import (
@@ -125,18 +126,25 @@ async def predict_image(
     model: Annotated[str | None, Query(min_length=1, max_length=200,
                                        description="served model name")] = None,
     top_k: Annotated[int, Query(ge=1, le=1000, description="classes per image")] = 5,
-    attention: Annotated[AttentionKind, Query(description="maps to return")] = (
-        AttentionKind.rollout
-    ),
+    attention: Annotated[list[AttentionKind], Query(
+        description="maps to return; repeat to combine, e.g. attention=heads&attention=relevance"
+    )] = [AttentionKind.rollout],  # noqa: B006 - FastAPI copies query defaults
     overlay: Annotated[bool, Query(description="also return a PNG heatmap overlay")] = False,
+    faithfulness: Annotated[bool, Query(
+        description="also return deletion/insertion curves of the maps against a random order"
+    )] = False,
+    target: Annotated[str | None, Query(
+        max_length=200, description="class label or index to explain (relevance, "
+        "faithfulness); default: the predicted class")] = None,
 ) -> ImagePredictResponse:
     """Multipart ``file`` field(s) or a raw ``image/png`` / ``image/jpeg`` body. Any size or
     mode; each image is converted to RGB, resized to the model's input size and normalised with
     the model's own mean/std."""
     name = model or settings.default_image_model
-    if overlay and attention == AttentionKind.none:
+    served = loaded_model(store, name, "image")  # 404 / 503 / 422 before reading the body
+    spec = build_spec(attention, faithfulness, target, served.class_names)
+    if overlay and not spec.maps:
         raise InvalidRequestError("overlay=true needs attention maps (attention != none)")
-    loaded_model(store, name, "image")  # 404 / 503 / 422 before reading the body
     items = await _read_images(request, settings.max_items_per_request)
     if len(items) > settings.max_items_per_request:
         raise InvalidRequestError(f"at most {settings.max_items_per_request} images per request")
@@ -144,7 +152,7 @@ async def predict_image(
         inputs = _decode_all(items, settings.max_image_pixels)
     else:  # large images: decode in the thread pool (PIL releases the GIL)
         inputs = await run_in_threadpool(_decode_all, items, settings.max_image_pixels)
-    out = await service.predict(name, ImageJob(inputs, top_k, attention, overlay))
+    out = await service.predict(name, ImageJob(inputs, top_k, spec, overlay))
     return ImagePredictResponse.model_validate({"model": out.model.info(),
                                                 "results": out.results})
 
@@ -173,7 +181,9 @@ async def predict_text(
             raise InvalidRequestError(
                 f"text {i} has {len(t)} characters; the limit is {settings.max_text_chars}"
             )
-    loaded_model(store, name, "text")
-    out = await service.predict(name, TextJob(texts, body.top_k, body.attention))
+    served = loaded_model(store, name, "text")
+    spec = build_spec(body.attention if isinstance(body.attention, list) else [body.attention],
+                      body.faithfulness, body.target, served.class_names)
+    out = await service.predict(name, TextJob(texts, body.top_k, spec))
     return TextPredictResponse.model_validate({"model": out.model.info(),
                                                "results": out.results})

@@ -86,14 +86,18 @@ class TextTransformer(nn.Module):
         return self.pos_drop(x + self.pos_embed[:, : input_ids.shape[1]])
 
     def forward_features(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, need_weights: bool = False
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, need_weights: bool = False,
+        leaf_tokens: bool = False,
     ) -> tuple[Tensor, list[Tensor] | None]:
         """``input_ids`` ``(B, T)``; ``attention_mask`` ``(B, T)`` bool, True for real tokens
         (default: ``input_ids != pad_id``). Returns tokens ``(B, T, D)`` and, if asked, per-layer
-        attention weights ``(B, H, T, T)`` (padded keys get exactly 0)."""
+        attention weights ``(B, H, T, T)`` (padded keys get exactly 0). ``leaf_tokens``: the
+        autograd graph starts at the embedded tokens (parameters are never part of it)."""
         if attention_mask is None:
             attention_mask = input_ids != self.config.pad_id
         x = self.embed(input_ids)
+        if leaf_tokens:
+            x = x.detach().requires_grad_()
         attns: list[Tensor] = []
         for blk in self.blocks:
             x, w = blk(x, key_padding_mask=attention_mask, need_weights=need_weights)
@@ -120,11 +124,22 @@ class TextTransformer(nn.Module):
         feats, _ = self.forward_features(input_ids, attention_mask)
         return self.forward_head(feats, attention_mask)
 
+    def attention_graph(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, track: bool = True
+    ) -> tuple[Tensor, list[Tensor], int]:
+        """Logits ``(B, K)``, every layer's weights ``(B, H, T, T)`` and the number of views
+        (always 1). ``track`` (under grad mode): the weights are in an autograd graph that
+        starts at the tokens, which is what relevance differentiates."""
+        if attention_mask is None:
+            attention_mask = input_ids != self.config.pad_id
+        feats, attns = self.forward_features(input_ids, attention_mask, need_weights=True,
+                                             leaf_tokens=track)
+        assert attns is not None
+        return self.forward_head(feats, attention_mask), attns, 1
+
     def forward_with_attention(
         self, input_ids: Tensor, attention_mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """Logits ``(B, K)`` and attention ``(L, B, H, T, T)`` from one forward pass."""
-        if attention_mask is None:
-            attention_mask = input_ids != self.config.pad_id
-        feats, attns = self.forward_features(input_ids, attention_mask, need_weights=True)
-        return self.forward_head(feats, attention_mask), torch.stack(attns)
+        logits, attns, _ = self.attention_graph(input_ids, attention_mask, track=False)
+        return logits, torch.stack(attns)

@@ -157,11 +157,14 @@ class ViT(nn.Module):
         return self.pos_drop(x)
 
     def forward_features(
-        self, x: Tensor, need_weights: bool = False
+        self, x: Tensor, need_weights: bool = False, leaf_tokens: bool = False
     ) -> tuple[Tensor, list[Tensor] | None]:
         """Returns normalised tokens ``(B, 1 + N, D)`` and, if asked, per-layer attention
-        weights, each ``(B, H, 1 + N, 1 + N)``, from this same forward pass."""
+        weights, each ``(B, H, 1 + N, 1 + N)``, from this same forward pass. ``leaf_tokens``:
+        the autograd graph starts at the embedded tokens (parameters are never part of it)."""
         x = self.embed(x)
+        if leaf_tokens:
+            x = x.detach().requires_grad_()
         attns: list[Tensor] = []
         for blk in self.blocks:
             x, w = blk(x, need_weights=need_weights)
@@ -186,13 +189,24 @@ class ViT(nn.Module):
             return logits.view(2, x.shape[0], -1).mean(0)  # (B, K)
         return self.forward_head(self.forward_features(x)[0])
 
+    def attention_graph(
+        self, x: Tensor, track: bool = True
+    ) -> tuple[Tensor, list[Tensor], int]:
+        """Logits ``(B, K)``, every layer's attention weights (each ``(V*B, H, T, T)``) and
+        ``V``, the number of views (2 with ``tta_flip``: rows ``:B`` are the given images, ``B:``
+        their mirrors). ``track`` (under grad mode): the weights are in an autograd graph that
+        starts at the tokens, which is what relevance differentiates."""
+        views = 2 if self._tta() else 1
+        feats, attns = self.forward_features(torch.cat([x, x.flip(-1)]) if views == 2 else x,
+                                             need_weights=True, leaf_tokens=track)
+        logits = self.forward_head(feats)
+        if views == 2:
+            logits = logits.view(2, x.shape[0], -1).mean(0)  # (B, K)
+        assert attns is not None
+        return logits, attns, views
+
     def forward_with_attention(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Logits ``(B, K)`` and attention ``(L, B, H, T, T)`` from one forward pass (with
         ``tta_flip``: the logits average both views, the attention is the given view's)."""
-        B = x.shape[0]
-        feats, attns = self.forward_features(torch.cat([x, x.flip(-1)]) if self._tta() else x,
-                                             need_weights=True)
-        logits = self.forward_head(feats)
-        if self._tta():
-            logits = logits.view(2, B, -1).mean(0)  # (B, K)
-        return logits, torch.stack([a[:B] for a in attns])  # (L, B, H, T, T)
+        logits, attns, _ = self.attention_graph(x, track=False)
+        return logits, torch.stack([a[: x.shape[0]] for a in attns])  # (L, B, H, T, T)
