@@ -22,6 +22,7 @@ from serving.inference import InferenceService
 from serving.jobs import JobManager
 from serving.metrics import MetricsMiddleware, ServingMetrics
 from serving.middleware import BodySizeLimitMiddleware
+from serving.model_cards import ModelCards
 from serving.model_store import ModelStore
 from serving.routers import health, jobs, models, predict
 from serving.routers.ui import mount_ui
@@ -84,6 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.store = store
+    app.state.cards = ModelCards(store)
     app.state.service = service
     app.state.jobs = job_manager
 

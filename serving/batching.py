@@ -36,7 +36,8 @@ class MicroBatcher(Generic[J, R]):
     """Queue + consumer task for one model.
 
     ``process(jobs)`` runs in ``executor`` and returns one result (or exception) per job, in
-    order. ``on_batch(n_inputs, seconds)`` is called after each batch (metrics).
+    order. ``on_batch(n_inputs, seconds)`` is called after each batch, ``on_wait(seconds)``
+    with each job's time in the queue when its batch starts (metrics).
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class MicroBatcher(Generic[J, R]):
         max_batch_size: int,
         max_wait_ms: float,
         on_batch: Callable[[int, float], None] | None = None,
+        on_wait: Callable[[float], None] | None = None,
     ) -> None:
         self.name = name
         self.process = process
@@ -54,6 +56,7 @@ class MicroBatcher(Generic[J, R]):
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000
         self.on_batch = on_batch
+        self.on_wait = on_wait  # called with each job's queue wait when its batch starts
         self._queue: asyncio.Queue[_Pending[J, R]] | None = None
         self._task: asyncio.Task[None] | None = None
         self._carry: _Pending[J, R] | None = None
@@ -123,6 +126,10 @@ class MicroBatcher(Generic[J, R]):
             if not batch:
                 continue  # every waiter went away
             n = sum(p.size for p in batch)
+            if self.on_wait is not None:
+                now = time.monotonic()
+                for p in batch:
+                    self.on_wait(now - p.enqueued)
             start = time.perf_counter()
             try:
                 results = await loop.run_in_executor(

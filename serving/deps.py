@@ -22,6 +22,7 @@ from serving.errors import (
 )
 from serving.inference import InferenceService
 from serving.metrics import ServingMetrics
+from serving.model_cards import ModelCards
 from serving.model_store import LoadedModel, ModelStore
 from vit_service.config import Settings
 
@@ -42,10 +43,15 @@ async def get_metrics(request: Request) -> ServingMetrics:
     return request.app.state.metrics
 
 
+async def get_cards(request: Request) -> ModelCards:
+    return request.app.state.cards
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[ModelStore, Depends(get_store)]
 ServiceDep = Annotated[InferenceService, Depends(get_service)]
 MetricsDep = Annotated[ServingMetrics, Depends(get_metrics)]
+CardsDep = Annotated[ModelCards, Depends(get_cards)]
 
 
 def loaded_model(store: ModelStore, name: str, task: str) -> LoadedModel:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -84,6 +85,25 @@ class Forward:
     target: torch.Tensor | None
 
 
+Observe = Callable[[str, float], None]  # (stage, seconds) -> metrics
+
+
+def _no_observe(stage: str, seconds: float) -> None:
+    pass
+
+
+class _Clock:
+    """Laps of one batch group, reported per stage."""
+
+    def __init__(self, observe: Observe) -> None:
+        self.observe, self.t = observe, time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.observe(stage, now - self.t)
+        self.t = now
+
+
 def _predictions(probs: torch.Tensor, top_k: int, class_names: list[str]) -> list[dict[str, Any]]:
     """``probs`` ``(K,)`` -> top-k ``{"label", "index", "probability"}``, most probable first."""
     p, idx = probs.topk(min(top_k, probs.shape[-1]))
@@ -108,7 +128,8 @@ def _targets(jobs: Sequence[Job], idxs: list[int]) -> torch.Tensor:
 
 
 def _forward(model: LoadedModel, jobs: Sequence[Job], idxs: list[int], path: int,
-             inputs: tuple[torch.Tensor, ...], mask: torch.Tensor | None) -> Forward:
+             inputs: tuple[torch.Tensor, ...], mask: torch.Tensor | None,
+             clock: _Clock) -> Forward:
     """Run one group through the model's fused, explicit or gradient path."""
     net = model.bundle.model
     heads = any(jobs[i].spec.heads for i in idxs)
@@ -122,8 +143,11 @@ def _forward(model: LoadedModel, jobs: Sequence[Job], idxs: list[int], path: int
         else:
             logits, attn = net(*inputs), None
         probs = logits.float().softmax(-1)  # (B, K)
+        clock.lap("relevance" if path == 2 else "forward")
         maps = None if attn is None else compute_attention_maps(
             attn, attention_mask=mask, grid=model.grid, with_heads=heads, query=model.query)
+        if maps is not None:
+            clock.lap("maps")
     return Forward(probs, maps, rel, target)
 
 
@@ -164,21 +188,26 @@ def _target_ref(fwd: Forward, row: int, names: list[str]) -> dict[str, Any] | No
     return {"label": names[t], "index": t}
 
 
-def run_image_jobs(model: LoadedModel, jobs: list[ImageJob]) -> list[JobOutput | Exception]:
+def run_image_jobs(model: LoadedModel, jobs: list[ImageJob],
+                   observe: Observe = _no_observe) -> list[JobOutput | Exception]:
     net, meta = model.bundle.model, model.bundle.meta
     names = meta.class_names
     outputs: list[JobOutput | Exception] = [InvalidRequestError("not run")] * len(jobs)
     for path, idxs in _groups(jobs).items():
         try:
+            clock = _Clock(observe)
             images = [inp.image for i in idxs for inp in jobs[i].inputs]
             x = images_to_tensor(images, meta)  # (B, 3, S, S)
-            fwd = _forward(model, jobs, idxs, path, (x,), None)
+            clock.lap("preprocess")
+            fwd = _forward(model, jobs, idxs, path, (x,), None, clock)
             maps = fwd.maps
             gh, gw = model.grid or (1, 1)
             faith = _faithfulness(
                 model, jobs, idxs, fwd,
                 lambda rows, tgt, x=x, p=x.shape[-1] // gw: image_probs_fn(net, x[rows], tgt, p),
                 torch.ones(x.shape[0], gh * gw, dtype=torch.bool), "mean_colour")
+            if faith:
+                clock.lap("faithfulness")
             rollout = maps.rollout.tolist() if maps else None
             layers = maps.layers.tolist() if maps else None
             head_list = maps.heads.tolist() if maps and maps.heads is not None else None
@@ -214,6 +243,7 @@ def run_image_jobs(model: LoadedModel, jobs: list[ImageJob]) -> list[JobOutput |
                     results.append(res)
                     row += 1
                 outputs[i] = JobOutput(model, results)
+            clock.lap("results")
         except Exception as e:
             log.exception("image batch failed for %s", model.name)
             for i in idxs:
@@ -221,7 +251,8 @@ def run_image_jobs(model: LoadedModel, jobs: list[ImageJob]) -> list[JobOutput |
     return outputs
 
 
-def run_text_jobs(model: LoadedModel, jobs: list[TextJob]) -> list[JobOutput | Exception]:
+def run_text_jobs(model: LoadedModel, jobs: list[TextJob],
+                  observe: Observe = _no_observe) -> list[JobOutput | Exception]:
     net, meta, tok = model.bundle.model, model.bundle.meta, model.bundle.tokenizer
     names = meta.class_names
     outputs: list[JobOutput | Exception] = [InvalidRequestError("not run")] * len(jobs)
@@ -230,16 +261,20 @@ def run_text_jobs(model: LoadedModel, jobs: list[TextJob]) -> list[JobOutput | E
     prefix = getattr(net, "num_prefix_tokens", 1)
     for path, idxs in _groups(jobs).items():
         try:
+            clock = _Clock(observe)
             texts = [t for i in idxs for t in jobs[i].texts]
             enc = tok.encode_batch(texts, max_len, truncation)  # [CLS] + pieces, padded
             ids, mask = enc.input_ids, enc.attention_mask  # (B, T), (B, T) True = real
-            fwd = _forward(model, jobs, idxs, path, (ids, mask), mask)
+            clock.lap("preprocess")
+            fwd = _forward(model, jobs, idxs, path, (ids, mask), mask, clock)
             maps = fwd.maps
             faith = _faithfulness(
                 model, jobs, idxs, fwd,
                 lambda rows, tgt, ids=ids, mask=mask: text_probs_fn(
                     net, ids[rows], mask[rows], tgt, prefix),
                 mask[:, prefix:], "attention_mask")
+            if faith:
+                clock.lap("faithfulness")
             lengths = mask.sum(1).tolist()
             row = 0
             for i in idxs:
@@ -266,6 +301,7 @@ def run_text_jobs(model: LoadedModel, jobs: list[TextJob]) -> list[JobOutput | E
                     results.append(res)
                     row += 1
                 outputs[i] = JobOutput(model, results)
+            clock.lap("results")
         except Exception as e:
             log.exception("text batch failed for %s", model.name)
             for i in idxs:
@@ -293,12 +329,19 @@ class InferenceService:
                     self.metrics.batch_size.labels(name).observe(n)
                     self.metrics.batch_seconds.labels(name).observe(seconds)
 
+            def on_wait(seconds: float, name: str = name) -> None:
+                self.observe(name, "queue", seconds)
+
             b = MicroBatcher(
                 name, lambda jobs, name=name: self._process(name, jobs), self.executor,
-                self.settings.max_batch_size, self.settings.max_wait_ms, on_batch,
+                self.settings.max_batch_size, self.settings.max_wait_ms, on_batch, on_wait,
             )
             self._batchers[name] = b
         return b
+
+    def observe(self, name: str, stage: str, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.stage_seconds.labels(name, stage).observe(seconds)
 
     def _process(self, name: str, jobs: list[Job]) -> list[JobOutput | Exception]:
         model = self.store.get(name)  # the version current when the batch starts
@@ -307,9 +350,12 @@ class InferenceService:
         want = ImageJob if model.task == "image" else TextJob
         if not all(isinstance(j, want) for j in jobs):
             return [InvalidRequestError(f"model {name!r} is a {model.task} model")] * len(jobs)
+        def observe(stage: str, seconds: float) -> None:
+            self.observe(name, stage, seconds)
+
         if model.task == "image":
-            return run_image_jobs(model, jobs)  # type: ignore[arg-type]
-        return run_text_jobs(model, jobs)  # type: ignore[arg-type]
+            return run_image_jobs(model, jobs, observe)  # type: ignore[arg-type]
+        return run_text_jobs(model, jobs, observe)  # type: ignore[arg-type]
 
     async def predict(self, name: str, job: Job) -> JobOutput:
         return await self.batcher(name).submit(job, job.size)

@@ -5,6 +5,8 @@
   the route template (``/v1/models/{name}/reload``), ``unmatched`` for unknown paths.
 * ``vit_service_batch_size{model}`` (inputs per forward pass) and
   ``vit_service_batch_duration_seconds{model}``.
+* ``vit_service_stage_seconds{model,stage}``: where the time goes (decode, queue, preprocess,
+  forward, maps, relevance, faithfulness, results, serialise).
 * ``vit_service_model_load_seconds{model}`` (last load), ``vit_service_model_loads_total{model,
   outcome}``, ``vit_service_model_loaded{model}`` (0/1).
 """
@@ -45,6 +47,13 @@ class ServingMetrics:
         self.batch_seconds = Histogram(
             "vit_service_batch_duration_seconds", "preprocess + forward + maps per batch",
             ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.stage_seconds = Histogram(
+            "vit_service_stage_seconds",
+            "where a prediction's time goes: decode (per request), queue (wait per request), "
+            "preprocess / forward / maps / relevance / faithfulness / results (per batch "
+            "group), serialise (per response)",
+            ["model", "stage"], buckets=LATENCY_BUCKETS, registry=r,
         )
         self.model_load_seconds = Gauge(
             "vit_service_model_load_seconds", "duration of the last model load", ["model"],

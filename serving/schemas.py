@@ -227,6 +227,43 @@ class ModelEntry(BaseModel):
     error: str | None = Field(None, description="last load error, if any")
 
 
+class ClassMetrics(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    label: str = Field(validation_alias="class")  # per_class.json calls it "class"
+    support: int
+    precision: float
+    recall: float
+    f1: float
+
+
+class ModelCard(BaseModel):
+    """What a served version is and how well it does (bundle + its MLflow run)."""
+
+    name: str
+    version: str | None
+    alias: str | None
+    task: Literal["image", "text"]
+    run_id: str | None
+    run_url: str | None
+    run_name: str | None = None
+    recipe: str | None = Field(None, description="the recipe it was trained with")
+    preset: str | None = Field(None, description="model preset from the registry")
+    parameters: int
+    val_acc: float | None = Field(None, description="validation accuracy (MLflow's, else the "
+                                  "bundle's)")
+    val_loss: float | None = None
+    step: int | None = Field(None, description="optimiser steps trained")
+    ema: bool | None = None
+    budget_minutes: float | None = None
+    training_s: float | None = Field(None, description="wall-clock of the training run")
+    classes: list[str]
+    per_class: list[ClassMetrics] | None = Field(None, description="at the last evaluation")
+    confusion: list[list[int]] | None = Field(
+        None, description="rows = true class, columns = predicted")
+    mlflow_error: str | None = Field(None, description="why the run's part is missing")
+
+
 class ModelsResponse(BaseModel):
     models: list[ModelEntry]
 

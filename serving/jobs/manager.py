@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from serving.jobs.metrics import read_series
 from serving.jobs.store import JobRecord, JobState, JobStore, utcnow
 from vit_service.config import Settings
 
@@ -196,6 +197,10 @@ class JobManager:
             f.seek(max(0, size - 256 * 1024))
             lines = f.read().decode("utf-8", "replace").splitlines()
         return lines[-tail:] if tail > 0 else []
+
+    def metrics(self, job_id: str, max_points: int = 500) -> dict[str, Any]:
+        """The job's metric series from its progress log (see :mod:`serving.jobs.metrics`)."""
+        return read_series(self._get(job_id).log_path, max_points)
 
     # --- scheduler ------------------------------------------------------------------------------
     def _loop(self) -> None:

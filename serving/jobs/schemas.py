@@ -79,6 +79,20 @@ class JobLogs(BaseModel):
     lines: list[str]
 
 
+class JobMetrics(BaseModel):
+    """Metric series of a job, read from its progress log (bounded: ``max_points`` each)."""
+
+    id: str
+    series: dict[str, list[tuple[float, float]]] = Field(
+        description="name -> [[step, value], ...] in step order: loss, lr, acc, grad_norm, "
+        "throughput (training steps), val_acc, val_loss (evaluations)")
+    points: int = Field(description="points in the log, before downsampling")
+    downsampled: bool
+    step: int | None = None
+    total_steps: int | None = None
+    eta_s: float | None = Field(None, description="the trainer's latest estimate, 0 when done")
+
+
 class Recipe(BaseModel):
     name: str
     description: str

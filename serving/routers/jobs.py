@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from serving.deps import ApiKeyDep, JsonBodyDep, SettingsDep
 from serving.errors import error_responses
 from serving.jobs import JobError, JobManager
-from serving.jobs.schemas import Job, JobCreate, JobList, JobLogs, Recipe, RecipeList
+from serving.jobs.schemas import Job, JobCreate, JobList, JobLogs, JobMetrics, Recipe, RecipeList
 from serving.jobs.store import JobState
 
 router = APIRouter(tags=["jobs"], dependencies=[ApiKeyDep],
@@ -61,6 +61,13 @@ def get_job(job_id: str, jobs: JobsDep, settings: SettingsDep) -> Job:
 def job_logs(job_id: str, jobs: JobsDep,
              tail: Annotated[int, Query(ge=0, le=10_000)] = 100) -> JobLogs:
     return JobLogs(id=job_id, lines=jobs.logs(job_id, tail))
+
+
+@router.get("/jobs/{job_id}/metrics", response_model=JobMetrics,
+            responses=error_responses(404), summary="Metric series for live curves")
+def job_metrics(job_id: str, jobs: JobsDep,
+                max_points: Annotated[int, Query(ge=2, le=5000)] = 500) -> JobMetrics:
+    return JobMetrics(id=job_id, **jobs.metrics(job_id, max_points))
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=Job, status_code=status.HTTP_202_ACCEPTED,

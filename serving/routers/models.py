@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query
+from fastapi.concurrency import run_in_threadpool
 
-from serving.deps import ApiKeyDep, ModelNameDep, StoreDep
-from serving.errors import error_responses
+from serving.deps import ApiKeyDep, CardsDep, ModelNameDep, StoreDep
+from serving.errors import ModelNotLoadedError, error_responses
 from serving.model_store import ModelLoadError, ModelStore
-from serving.schemas import ModelEntry, ModelsResponse, ReloadResponse
+from serving.schemas import ModelCard, ModelEntry, ModelsResponse, ReloadResponse
 
 router = APIRouter(prefix="/models", tags=["models"])
 
@@ -39,6 +40,17 @@ async def list_models(store: StoreDep) -> ModelsResponse:
             responses=error_responses(404))
 async def get_model(name: ModelNameDep, store: StoreDep) -> ModelEntry:
     return model_entry(store, name)
+
+
+@router.get("/{name}/card", response_model=ModelCard, summary="The served version's card",
+            responses=error_responses(404, 503))
+async def model_card(name: ModelNameDep, store: StoreDep, cards: CardsDep) -> ModelCard:
+    """Recipe, size, validation accuracy, per-class recall and confusion matrix of the loaded
+    version (from its bundle and its MLflow run; cached per version)."""
+    m = store.get(name)
+    if m is None:
+        raise ModelNotLoadedError(name, store.error(name))
+    return ModelCard.model_validate(await run_in_threadpool(cards.card, m))
 
 
 @router.post(

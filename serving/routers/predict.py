@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from PIL import Image
 from starlette.datastructures import UploadFile
@@ -136,7 +137,7 @@ async def predict_image(
     target: Annotated[str | None, Query(
         max_length=200, description="class label or index to explain (relevance, "
         "faithfulness); default: the predicted class")] = None,
-) -> ImagePredictResponse:
+) -> Response:
     """Multipart ``file`` field(s) or a raw ``image/png`` / ``image/jpeg`` body. Any size or
     mode; each image is converted to RGB, resized to the model's input size and normalised with
     the model's own mean/std."""
@@ -148,13 +149,21 @@ async def predict_image(
     items = await _read_images(request, settings.max_items_per_request)
     if len(items) > settings.max_items_per_request:
         raise InvalidRequestError(f"at most {settings.max_items_per_request} images per request")
+    t0 = time.perf_counter()
     if _small(items):
         inputs = _decode_all(items, settings.max_image_pixels)
     else:  # large images: decode in the thread pool (PIL releases the GIL)
         inputs = await run_in_threadpool(_decode_all, items, settings.max_image_pixels)
+    service.observe(name, "decode", time.perf_counter() - t0)
     out = await service.predict(name, ImageJob(inputs, top_k, spec, overlay))
-    return ImagePredictResponse.model_validate({"model": out.model.info(),
-                                                "results": out.results})
+    t0 = time.perf_counter()
+    # validated once and encoded by pydantic-core (a returned Response skips FastAPI's second
+    # validation pass); response_model above still documents the schema
+    resp = Response(ImagePredictResponse.model_validate(
+        {"model": out.model.info(), "results": out.results}).model_dump_json(),
+        media_type="application/json")
+    service.observe(name, "serialise", time.perf_counter() - t0)
+    return resp
 
 
 @router.post(
@@ -169,7 +178,7 @@ async def predict_text(
     settings: SettingsDep,
     store: StoreDep,
     service: ServiceDep,
-) -> TextPredictResponse:
+) -> Response:
     """``{"text": "..." | ["...", ...], "model": ..., "top_k": 2, "attention": "rollout"}``.
     Texts longer than the model's ``max_len`` tokens are truncated (``truncated: true``)."""
     name = body.model or settings.default_text_model
@@ -185,5 +194,9 @@ async def predict_text(
     spec = build_spec(body.attention if isinstance(body.attention, list) else [body.attention],
                       body.faithfulness, body.target, served.class_names)
     out = await service.predict(name, TextJob(texts, body.top_k, spec))
-    return TextPredictResponse.model_validate({"model": out.model.info(),
-                                               "results": out.results})
+    t0 = time.perf_counter()
+    resp = Response(TextPredictResponse.model_validate(
+        {"model": out.model.info(), "results": out.results}).model_dump_json(),
+        media_type="application/json")
+    service.observe(name, "serialise", time.perf_counter() - t0)
+    return resp

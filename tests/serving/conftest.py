@@ -88,9 +88,22 @@ def _image_bundle(path: Path, seed: int) -> Path:
     return save_bundle(path, model, meta)
 
 
-def _register(bundle: Path, task: str, name: str, val_acc: float) -> str:
+# the evaluation report the trainer logs (training/reporting.py), for the model card
+CIFAR_REPORT = {
+    "accuracy": 0.5, "loss": 1.2,
+    "confusion": [[5 if i == j else (1 if j == (i + 1) % 10 else 0) for j in range(10)]
+                  for i in range(10)],
+    "per_class": [{"class": c, "support": 6, "precision": 5 / 6, "recall": 5 / 6,
+                   "f1": 5 / 6} for c in CIFAR10_CLASSES],
+}
+
+
+def _register(bundle: Path, task: str, name: str, val_acc: float,
+              report: dict | None = None) -> str:
     with mlflow.start_run():
         mlflow.log_metric("val_acc", val_acc)
+        if report is not None:
+            mlflow.log_dict(report, "per_class.json")
         version = tracking.log_bundle(bundle, task, name)
     assert version is not None
     return version
@@ -107,7 +120,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Registry:
     mlflow.set_experiment(experiment_id=exp)
     client = mlflow.MlflowClient()
 
-    _register(_image_bundle(root / "cifar", seed=1), "image", "cifar10-vit", 0.5)
+    _register(_image_bundle(root / "cifar", seed=1), "image", "cifar10-vit", 0.5, CIFAR_REPORT)
     client.set_registered_model_alias("cifar10-vit", tracking.CHAMPION, "1")
 
     _register(_image_bundle(root / "reload-v1", seed=2), "image", "reload-vit", 0.5)

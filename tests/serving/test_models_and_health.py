@@ -39,6 +39,23 @@ def test_list_models(client) -> None:
     assert r.status_code == 404 and "unknown model 'nope'" in r.json()["detail"]
 
 
+def test_model_cards(client, make_client, registry) -> None:
+    card = client.get("/v1/models/cifar10-vit/card").json()
+    assert (card["name"], card["version"], card["alias"], card["task"]) == (
+        "cifar10-vit", "1", "champion", "image")
+    assert card["val_acc"] == 0.5  # what MLflow holds for the version's run
+    assert card["parameters"] > 1000 and card["run_url"].endswith(card["run_id"])
+    assert len(card["per_class"]) == 10 and card["per_class"][3]["label"] == "cat"
+    assert card["per_class"][0]["recall"] == pytest.approx(5 / 6)
+    assert card["confusion"][0][:2] == [5, 1] and card["training_s"] is not None
+    text = client.get("/v1/models/imdb-sentiment/card").json()
+    assert text["val_acc"] == 0.7 and text["per_class"] is None  # no report logged
+    assert client.get("/v1/models/nope/card").status_code == 404
+    local = make_client({"cifar10-vit": str(registry.local_bundle)})
+    c = local.get("/v1/models/cifar10-vit/card").json()
+    assert c["run_id"] is None and c["val_acc"] is None and c["version"] is None
+
+
 def test_reload_auth(client, make_client) -> None:
     assert client.post("/v1/models/cifar10-vit/reload").status_code == 401
     r = client.post("/v1/models/cifar10-vit/reload", headers={"Authorization": "Bearer wrong"})
@@ -174,6 +191,14 @@ def test_metrics(client, image_bytes) -> None:
         'vit_service_model_loaded{model="imdb-sentiment"} 1.0',
     ]:
         assert line in text, line
+    # where the time goes: one observation per stage for the one image predicted here
+    for stage in ("decode", "queue", "preprocess", "maps", "results", "serialise"):
+        assert (f'vit_service_stage_seconds_count{{model="cifar10-vit",stage="{stage}"}}'
+                in text), stage
+    client.post("/v1/predict/image", content=image_bytes(), params={"attention": "relevance"},
+                headers={"content-type": "image/png"})
+    text = client.get("/metrics").text
+    assert 'vit_service_stage_seconds_count{model="cifar10-vit",stage="relevance"} 1.0' in text
 
 
 def test_openapi_documents_every_route(client) -> None:

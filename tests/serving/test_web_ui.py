@@ -108,6 +108,15 @@ def test_upload_an_image_shows_prediction_and_heatmap(server: Server, browser, t
     views = Select(browser.find_element(By.ID, "attn-view"))
     labels = [o.text for o in views.options]
     assert labels[0] == "rollout" and any("head" in t for t in labels)
+    assert labels[1].startswith("relevance")
+    faith = browser.find_element(By.ID, "faith")
+    assert faith.get_attribute("data-map") == "rollout" and "deletion AUC" in faith.text
+    views.select_by_value("relevance")
+    _wait(browser, lambda d: faith.get_attribute("data-map") == "relevance")
+    assert "relevance: deletion AUC" in faith.text and "random" in faith.text
+    assert faith.find_elements(By.CSS_SELECTOR, "path.curve")  # the map's curve is drawn
+    browser.execute_script("arguments[0].scrollIntoView({block: 'end'})", faith)
+    browser.save_screenshot(str(SCREENSHOTS / "relevance.png"))  # relevance + deletion curve
     views.select_by_index(len(labels) - 1)  # the last layer's last head
     slider = browser.find_element(By.ID, "opacity")
     browser.execute_script("arguments[0].value = 0.9; arguments[0].dispatchEvent("
@@ -145,3 +154,96 @@ def test_launch_and_cancel_a_job(server: Server, browser) -> None:
         "if (b) { b.click(); return true; } return false;")
     assert clicked
     _wait(browser, lambda d: "cancelled" in _first_row(d), timeout=90)
+
+
+def _chart_points(driver, chart: str) -> int:
+    return int(driver.execute_script(
+        f"const e = document.getElementById('{chart}'); return e ? (e.dataset.points || 0) : 0;"))
+
+
+def _launch(driver, recipe: str, name: str, overrides: str, budget: str = "") -> None:
+    for field, value in (("job-name", name), ("overrides", overrides), ("budget", budget)):
+        el = driver.find_element(By.ID, field)
+        el.clear()
+        el.send_keys(value)
+    # set by script: the recipe options are re-rendered whenever the recipes are (re)loaded,
+    # which can make a located <option> stale
+    driver.execute_script("document.getElementById('recipe').value = arguments[0];", recipe)
+    assert driver.find_element(By.ID, "recipe").get_attribute("value") == recipe
+    driver.find_element(By.ID, "launch").click()
+    _wait(driver, lambda d: name in _first_row(d))
+
+
+def test_live_curves_and_a_comparison_plot(server: Server, browser) -> None:
+    browser.get(server.url + "/")
+    browser.find_element(By.ID, "tab-jobs").click()
+    key = browser.find_element(By.ID, "api-key")
+    key.clear()
+    key.send_keys(KEY)
+    browser.find_element(By.ID, "save-key").click()
+    _wait(browser, lambda d: "cifar10-smoke" in d.find_element(By.ID, "recipe").text)
+    # untick whatever earlier tests plotted
+    browser.execute_script("localStorage.setItem('vitPicked', '[]'); state.picked.clear();")
+    _launch(browser, "cifar10-smoke", "curve-a", "epochs=150")
+    _wait(browser, lambda d: "running" in _first_row(d), timeout=120)
+    _wait(browser, lambda d: _chart_points(d, "chart-loss") >= 2, timeout=120)
+    first = _chart_points(browser, "chart-loss")
+    _wait(browser, lambda d: _chart_points(d, "chart-loss") > first, timeout=120)  # it grows
+    assert "ETA" in _first_row(browser) or "succeeded" in _first_row(browser)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    browser.execute_script("document.getElementById('charts').scrollIntoView({block: 'end'})")
+    browser.save_screenshot(str(SCREENSHOTS / "jobs-live-curves.png"))
+    _wait(browser, lambda d: "succeeded" in _first_row(d), timeout=300)
+    _wait(browser, lambda d: _chart_points(d, "chart-val") >= 1)  # the final validation point
+
+    _launch(browser, "cifar10-smoke", "curve-b", "epochs=3\noptim.lr=0.001")
+    _wait(browser, lambda d: "succeeded" in _first_row(d), timeout=300)
+    _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#chart-val path.series")) == 2)
+    legend = browser.find_element(By.ID, "chart-legend").text
+    assert "curve-a" in legend and "curve-b" in legend
+    assert "epochs=150" in legend and "optim.lr=0.001" in legend and "val " in legend
+    browser.execute_script("document.getElementById('charts').scrollIntoView({block: 'end'})")
+    browser.save_screenshot(str(SCREENSHOTS / "jobs-compare.png"))
+
+
+def test_model_card_shows_mlflow_accuracy(server: Server, browser) -> None:
+    browser.get(server.url + "/")
+    card = browser.find_element(By.ID, "image-card")
+    _wait(browser, lambda d: card.get_attribute("hidden") is None)
+    assert "cifar10-vit" in card.text and "v1 @champion" in card.text
+    assert card.find_element(By.CSS_SELECTOR, ".val-acc").text == "50.0 %"  # MLflow's val_acc
+    assert len(card.find_elements(By.CSS_SELECTOR, "table.confusion tr")) == 10
+    assert "cat" in card.text and "83.3 %" in card.text  # per-class recall
+    assert browser.find_element(By.ID, "image-empty").get_attribute("hidden") is not None
+    browser.save_screenshot(str(SCREENSHOTS / "model-card.png"))
+
+
+def test_empty_states_for_a_newcomer(registry, browser, tmp_path_factory) -> None:
+    root = tmp_path_factory.mktemp("web-empty")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIT_SERVICE_", "MLFLOW_"))}
+    env.update({
+        "MLFLOW_TRACKING_URI": registry.uri, "VIT_SERVICE_HOME": str(root),
+        "VIT_SERVICE_MODELS": json.dumps({"cifar10-vit": "models:/not-trained-yet@champion",
+                                          "imdb-sentiment": "models:/nor-this@champion"}),
+        "LOG_LEVEL": "WARNING",
+    })
+    s = Server(env, root)
+    s.start()
+    try:
+        browser.get(s.url + "/")
+        empty = browser.find_element(By.ID, "image-empty")
+        _wait(browser, lambda d: empty.get_attribute("hidden") is None)
+        assert "No image model is served yet" in empty.text
+        assert browser.find_element(By.ID, "image-card").get_attribute("hidden") is not None
+        empty.find_element(By.CSS_SELECTOR, "button.train-first").click()  # no key yet
+        err = browser.find_element(By.ID, "error")
+        _wait(browser, lambda d: err.get_attribute("hidden") is None)
+        assert "API key" in err.text
+        browser.find_element(By.ID, "tab-jobs").click()
+        nokey = browser.find_element(By.ID, "jobs-nokey")
+        _wait(browser, lambda d: nokey.get_attribute("hidden") is None)
+        assert "VIT_SERVICE_API_KEY" in nokey.text
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(SCREENSHOTS / "empty-jobs.png"))
+    finally:
+        s.stop()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -97,6 +98,25 @@ def test_submit_and_follow_to_success(server: Server) -> None:
     assert len(logs) <= 5 and logs
     listed = server.get("/v1/jobs?state=succeeded").json()["jobs"]
     assert job["id"] in {j["id"] for j in listed}
+
+    # the metric series match the job's progress log, point for point
+    lines = server.get(f"/v1/jobs/{job['id']}/logs?tail=10000").json()["lines"]
+    events = [json.loads(ln) for ln in lines if ln.startswith('{"event"')]
+    steps = [e for e in events if e["event"] == "step"]
+    m = server.get(f"/v1/jobs/{job['id']}/metrics").json()
+    assert m["series"]["loss"] == [[e["step"], e["loss"]] for e in steps]
+    assert m["series"]["lr"] == [[e["step"], e["lr"]] for e in steps]
+    assert m["series"]["val_acc"][-1] == [done["progress"]["step"],
+                                          done["progress"]["metrics"]["val_acc"]]
+    assert m["eta_s"] == 0 and m["step"] == m["total_steps"] == done["progress"]["step"]
+    assert m["points"] == sum(len(v) for v in m["series"].values()) and not m["downsampled"]
+    small = server.get(f"/v1/jobs/{job['id']}/metrics?max_points=2").json()
+    assert all(len(v) <= 2 for v in small["series"].values())
+    assert small["downsampled"] == any(len(v) > 2 for v in m["series"].values())
+    assert small["series"]["loss"][-1] == m["series"]["loss"][-1]
+    assert server.get("/v1/jobs/nope/metrics").status_code == 404
+    assert server.get(f"/v1/jobs/{job['id']}/metrics?max_points=1").status_code == 422
+    assert httpx.get(server.url + f"/v1/jobs/{job['id']}/metrics").status_code == 401
 
 
 def test_cancel_leaves_a_checkpoint_and_resume_continues(server: Server) -> None:
