@@ -49,7 +49,9 @@ def resolve_target(target: str | int | None, class_names: list[str]) -> int | No
         return None
     if isinstance(target, str) and target in class_names:
         return class_names.index(target)
-    if isinstance(target, int) or (isinstance(target, str) and target.strip().isdigit()):
+    text = target.strip() if isinstance(target, str) else None
+    if isinstance(target, int) or (text and len(text) <= 6 and text.isascii()
+                                   and text.isdecimal()):
         i = int(target)
         if 0 <= i < len(class_names):
             return i
@@ -82,6 +84,13 @@ def build_spec(
                        resolve_target(target, class_names))
 
 
+def check_explain_size(spec: ExplainSpec, n: int, limit: int, what: str) -> None:
+    """Relevance and faithfulness cost a backward pass / ~55 forwards per item: cap them."""
+    if (spec.relevance or spec.faithfulness) and n > limit:
+        raise InvalidRequestError(f"at most {limit} {what} per request with attention=relevance "
+                                  f"or faithfulness=true (got {n}); split the request")
+
+
 def faithfulness_dict(
     curves: dict[str, Curves], row: int, target: int, class_names: list[str], removal: str
 ) -> dict[str, Any]:
@@ -95,8 +104,11 @@ def faithfulness_dict(
         }
         for name, c in curves.items()
     }
-    rand = max(maps["random"]["deletion_auc"], 1e-12)
-    ratio = {n: m["deletion_auc"] / rand for n, m in maps.items() if n != "random"}
+    rand = maps["random"]["deletion_auc"]
+    if rand <= 1e-9:  # nothing to remove (no real token) or a class at probability 0
+        ratio = {n: 1.0 for n in maps if n != "random"}
+    else:
+        ratio = {n: m["deletion_auc"] / rand for n, m in maps.items() if n != "random"}
     best = min(ratio, key=ratio.__getitem__) if ratio else "random"
     return {
         "target": {"label": class_names[target], "index": target},

@@ -350,6 +350,21 @@ class InferenceService:
         want = ImageJob if model.task == "image" else TextJob
         if not all(isinstance(j, want) for j in jobs):
             return [InvalidRequestError(f"model {name!r} is a {model.task} model")] * len(jobs)
+        # a target was checked against the version current at request time; a reload since
+        # may have fewer classes: fail only those jobs
+        n = len(model.class_names)
+        bad = {i for i, j in enumerate(jobs) if j.spec.target is not None and j.spec.target >= n}
+        if bad:
+            ok = [j for i, j in enumerate(jobs) if i not in bad]
+            done = iter(self._run(model, ok) if ok else [])
+            return [InvalidRequestError(f"target index {j.spec.target} is not a class of "
+                                        f"{name!r} v{model.version}") if i in bad else next(done)
+                    for i, j in enumerate(jobs)]
+        return self._run(model, jobs)
+
+    def _run(self, model: LoadedModel, jobs: list[Job]) -> list[JobOutput | Exception]:
+        name = model.name
+
         def observe(stage: str, seconds: float) -> None:
             self.observe(name, stage, seconds)
 

@@ -4,8 +4,9 @@ From the loaded bundle (always): name, version, alias, recipe, parameter count, 
 accuracy and step the bundle was saved at. From the model's MLflow run (when it has one): the
 per-class precision / recall and confusion matrix (``per_class.json``, logged by the trainer at
 its last evaluation), the run's wall-clock time, its planned budget and a link. MLflow is asked
-once per loaded version (the card is cached by name, version and run id); if it cannot be
-reached the card says so and keeps the bundle's part.
+once per loaded version (the card is cached by name and the source's fingerprint, which changes
+iff a reload swaps the version, local bundles included); if it cannot be reached the card says so
+and keeps the bundle's part (not cached, so the next view asks again).
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ log = logging.getLogger(__name__)
 class ModelCards:
     def __init__(self, store: ModelStore) -> None:
         self.store = store
-        self._cache: dict[tuple[str, str | None, str | None], dict[str, Any]] = {}
+        self._cache: dict[tuple[str, str], dict[str, Any]] = {}
         self._lock = threading.Lock()
 
     def card(self, m: LoadedModel) -> dict[str, Any]:
         """Blocking (MLflow calls): run it in a worker thread."""
-        key = (m.name, m.version, m.run_id)
+        key = (m.name, m.resolved.fingerprint)  # changes iff the served version does
         with self._lock:
             hit = self._cache.get(key)
         if hit is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import Enum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -143,7 +143,7 @@ class TextPredictRequest(BaseModel):
     top_k: int = Field(2, ge=1, le=1000)
     attention: AttentionKind | list[AttentionKind] = Field(
         AttentionKind.rollout, description="one kind or several, e.g. [\"heads\", \"relevance\"]")
-    target: str | int | None = Field(
+    target: Annotated[str, Field(max_length=200)] | int | None = Field(
         None, description="class label or index to explain (relevance, faithfulness); default: "
         "the predicted class")
     faithfulness: bool = Field(False, description="also return deletion/insertion curves")

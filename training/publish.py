@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from training.evaluate import LossResult
@@ -32,10 +33,15 @@ def publish(run: _Run, run_id: str | None) -> str | None:
         return publish_encoder(run, run_id, model, res, art_dir)
     (art_dir / "per_class.txt").write_text(res.format_table() + "\n")
     attn_path = None
-    try:
-        attn_path = run.task.attention_report(model, art_dir, r.attention_samples)
+    was_training = model.training
+    try:  # eval mode: no dropout of any kind, TTA as served
+        model.eval()
+        with torch.no_grad():
+            attn_path = run.task.attention_report(model, art_dir, r.attention_samples)
     except Exception:  # an artifact must not fail the run
         log.exception("attention report failed")
+    finally:
+        model.train(was_training)
     meta = BundleMeta(
         task=run.task.kind,  # type: ignore[arg-type]
         model_config=run.model_config, class_names=run.task.class_names,

@@ -58,6 +58,9 @@ class Settings(BaseSettings):
         4096 * 4096, ge=1, description="width*height limit per image (decompression bombs)"
     )
     max_items_per_request: int = Field(64, ge=1, description="images or texts per request")
+    max_explain_items: int = Field(
+        16, ge=1, description="images or texts per request with attention=relevance or "
+        "faithfulness=true (each costs a backward pass or ~55 extra forwards)")
     max_text_chars: int = Field(100_000, ge=1, description="characters per text")
     ready_requires_all: bool = Field(
         True, description="/readyz: every configured model loaded (else: at least one)"

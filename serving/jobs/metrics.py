@@ -4,8 +4,9 @@ The trainer prints one JSON object per event (``step`` every few steps with ``lo
 ``acc``...; ``epoch`` with ``val_acc`` / ``val_loss``; ``end`` with the final validation). Each
 numeric field becomes a series of ``[step, value]`` points. A resumed job rewinds to its
 checkpoint: a point at or before the last one's step replaces the points from there on, so every
-series stays increasing in step. Long runs are downsampled to at most ``max_points`` per series
-(evenly over the index, first and last point kept).
+series stays increasing in step (and a ``start`` event at step ``S`` voids every point after
+``S``, for series whose next point comes later). Long runs are downsampled to at most
+``max_points`` per series (evenly over the index, first and last point kept).
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def read_series(path: Path, max_points: int = 500) -> dict[str, Any]:
     series: dict[str, list[list[float]]] = {}
     last: dict[str, Any] = {}
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_LOG_BYTES)
+        with open(path, "rb") as f:  # the newest MAX_LOG_BYTES of a huge log
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - MAX_LOG_BYTES))
+            data = f.read()
     except OSError:
         data = b""
     for raw in data.splitlines():
@@ -56,6 +59,10 @@ def read_series(path: Path, max_points: int = 500) -> dict[str, Any]:
         kind, step = event.get("event"), event.get("step")
         if not isinstance(step, (int, float)):
             continue
+        if kind == "start":  # a (re)start from a checkpoint at `step`: later points are void
+            for points in series.values():
+                while points and points[-1][0] > step:
+                    points.pop()
         keys = TRAIN_KEYS if kind == "step" else VAL_KEYS if kind in ("epoch", "end") else ()
         for k in keys:
             v = event.get(k)

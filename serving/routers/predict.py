@@ -20,7 +20,7 @@ from serving.errors import (
     UnsupportedMediaTypeError,
     error_responses,
 )
-from serving.explanations import build_spec
+from serving.explanations import build_spec, check_explain_size
 from serving.inference import ImageInput, ImageJob, TextJob
 from serving.model_store import IMAGE_CONTENT_TYPES
 from serving.schemas import (
@@ -149,6 +149,7 @@ async def predict_image(
     items = await _read_images(request, settings.max_items_per_request)
     if len(items) > settings.max_items_per_request:
         raise InvalidRequestError(f"at most {settings.max_items_per_request} images per request")
+    check_explain_size(spec, len(items), settings.max_explain_items, "images")
     t0 = time.perf_counter()
     if _small(items):
         inputs = _decode_all(items, settings.max_image_pixels)
@@ -193,6 +194,7 @@ async def predict_text(
     served = loaded_model(store, name, "text")
     spec = build_spec(body.attention if isinstance(body.attention, list) else [body.attention],
                       body.faithfulness, body.target, served.class_names)
+    check_explain_size(spec, len(texts), settings.max_explain_items, "texts")
     out = await service.predict(name, TextJob(texts, body.top_k, spec))
     t0 = time.perf_counter()
     resp = Response(TextPredictResponse.model_validate(

@@ -55,7 +55,7 @@ async function loadModels() {
     for (const [task, sel] of [["image", "#image-model"], ["text", "#text-model"]]) {
       const opts = models.filter((m) => !m.task || m.task === task);
       $(sel).innerHTML = opts
-        .map((m) => `<option value="${m.name}">${m.name}${m.loaded ? " v" + (m.version || "local") : " (not loaded)"}</option>`)
+        .map((m) => `<option value="${esc(m.name)}">${esc(m.name)}${m.loaded ? " v" + (m.version || "local") : " (not loaded)"}</option>`)
         .join("");
       const loaded = opts.some((m) => m.loaded && m.task === task);
       $(`#${task}-empty`).hidden = loaded;
@@ -178,7 +178,7 @@ function drawFaithfulness(box, faith, view, what) {
   svg += `<text x="${L - 4}" y="${y(1) + 4}" text-anchor="end" font-size="10">1</text><text x="${L - 4}" y="${y(0)}" text-anchor="end" font-size="10">0</text>`;
   svg += `<text x="${(L + W) / 2}" y="${H - 4}" text-anchor="middle" font-size="10">share of ${what} removed, most relevant first</text>`;
   svg += `<path d="${path(faith.maps.random.deletion)}" fill="none" stroke="#9ca3af" stroke-dasharray="4 3" stroke-width="2"/>`;
-  let text = `p(${faith.target.label}) as ${what} are deleted · random order dashed, AUC ${faith.maps.random.deletion_auc.toFixed(3)}`;
+  let text = `p(${esc(faith.target.label)}) as ${what} are deleted · random order dashed, AUC ${faith.maps.random.deletion_auc.toFixed(3)}`;
   if (name && faith.maps[name]) {
     const m = faith.maps[name];
     svg += `<path class="curve" d="${path(m.deletion)}" fill="none" stroke="#2f6fed" stroke-width="2"/>`;
@@ -193,7 +193,7 @@ function drawFaithfulness(box, faith, view, what) {
 
 function renderPreds(list, preds) {
   list.innerHTML = preds
-    .map((p) => `<li><b>${p.label}</b> ${(100 * p.probability).toFixed(1)}%<span class="bar" style="width:${Math.round(150 * p.probability)}px"></span></li>`)
+    .map((p) => `<li><b>${esc(p.label)}</b> ${(100 * p.probability).toFixed(1)}%<span class="bar" style="width:${Math.round(150 * p.probability)}px"></span></li>`)
     .join("");
 }
 
@@ -207,6 +207,8 @@ function fillViews(sel, layers, heads, relevance) {
 
 async function predictImage(file) {
   showError("");
+  state.imageResult = null; // the previous image's maps must not be drawn over this one
+  $("#faith").hidden = true;
   const url = URL.createObjectURL(file);
   const img = new Image();
   img.onload = () => { state.image = img; draw(); };
@@ -253,7 +255,7 @@ function renderTokens() {
   if (v.startsWith("head:")) { const [, l, h] = v.split(":").map(Number); w = r.attention.heads[l][h]; }
   const hi = Math.max(...w, 1e-9);
   $("#tokens").innerHTML = r.tokens
-    .map((t, i) => `<span title="${w[i].toFixed(4)}" style="background: rgba(47,111,237,${(w[i] / hi).toFixed(3)})">${t.replace(/</g, "&lt;")}</span>`)
+    .map((t, i) => `<span title="${w[i].toFixed(4)}" style="background: rgba(47,111,237,${(w[i] / hi).toFixed(3)})">${esc(t)}</span>`)
     .join("") + (r.truncated ? ' <em class="muted">(truncated to the model\'s max length)</em>' : "");
   drawFaithfulness($("#text-faith"), r.faithfulness, v, "tokens");
 }
@@ -288,7 +290,7 @@ async function loadRecipes() {
   if (!state.key) return;
   try {
     const { recipes } = await api("/v1/recipes", { auth: true });
-    $("#recipe").innerHTML = recipes.map((r) => `<option value="${r.name}" title="${r.description}">${r.name}</option>`).join("");
+    $("#recipe").innerHTML = recipes.map((r) => `<option value="${esc(r.name)}" title="${esc(r.description)}">${esc(r.name)}</option>`).join("");
     showError("");
   } catch (e) {
     showError("Recipes — " + e.message);
@@ -343,7 +345,8 @@ function pick(id, on) {
 
 async function refreshJobs() {
   $("#jobs-nokey").hidden = !!state.key;
-  if (!state.key) return;
+  if (!state.key || state.refreshing) return; // one refresh at a time
+  state.refreshing = true;
   try {
     const { jobs } = await api("/v1/jobs?limit=20", { auth: true });
     state.jobs = jobs;
@@ -355,34 +358,42 @@ async function refreshJobs() {
         if (j.state === "running" && p.metrics.eta_s != null) prog += ` · <span class="eta">ETA ${fmtEta(p.metrics.eta_s)}</span>`;
         const on = state.picked.has(j.id) ? "checked" : "";
         const check = `<input type="checkbox" class="pick" data-id="${j.id}" ${on} title="plot this job">`;
-        const link = j.mlflow_run_url ? `<a href="${j.mlflow_run_url}" target="_blank" rel="noopener">run</a>` : "";
+        const link = j.mlflow_run_url ? `<a href="${esc(j.mlflow_run_url)}" target="_blank" rel="noopener">run</a>` : "";
         const cancel = ["queued", "running"].includes(j.state) ? `<button class="cancel" data-id="${j.id}">Cancel</button>` : "";
-        return `<tr data-id="${j.id}"><td>${check}</td><td title="${j.id}">${esc(j.name)}</td><td>${j.recipe}</td><td class="state-${j.state}">${j.state}${j.reason ? ` <span class="muted">(${j.reason})</span>` : ""}</td><td>${prog}</td><td>${fmtMetrics(p.metrics)}</td><td>${link}</td><td>${cancel}</td></tr>`;
+        return `<tr data-id="${j.id}"><td>${check}</td><td title="${j.id}">${esc(j.name)}</td><td>${esc(j.recipe)}</td><td class="state-${j.state}">${j.state}${j.reason ? ` <span class="muted">(${esc(j.reason)})</span>` : ""}</td><td>${prog}</td><td>${fmtMetrics(p.metrics)}</td><td>${link}</td><td>${cancel}</td></tr>`;
       })
       .join("");
-    document.querySelectorAll("input.pick").forEach((c) =>
-      c.addEventListener("change", () => { pick(c.dataset.id, c.checked); drawJobCharts(); }));
     await loadSeries(jobs);
     drawJobCharts();
-    document.querySelectorAll("button.cancel").forEach((b) =>
-      b.addEventListener("click", async () => {
-        try { await api(`/v1/jobs/${b.dataset.id}/cancel`, { method: "POST", auth: true }); refreshJobs(); }
-        catch (e) { showError("Cancel failed — " + e.message); }
-      })
-    );
   } catch (e) {
     showError("Jobs — " + e.message);
+  } finally {
+    state.refreshing = false;
   }
 }
+
+// one listener each for the table's checkboxes and cancel buttons (rows are re-rendered)
+$("#jobs tbody").addEventListener("change", (e) => {
+  const c = e.target.closest("input.pick");
+  if (c) { pick(c.dataset.id, c.checked); loadSeries(state.jobs).then(drawJobCharts); }
+});
+$("#jobs tbody").addEventListener("click", async (e) => {
+  const b = e.target.closest("button.cancel");
+  if (!b) return;
+  b.disabled = true;
+  try { await api(`/v1/jobs/${b.dataset.id}/cancel`, { method: "POST", auth: true }); refreshJobs(); }
+  catch (err) { showError("Cancel failed — " + err.message); }
+});
 
 // ---- live curves and comparison -----------------------------------------------------------------
 async function loadSeries(jobs) {
   for (const j of jobs.filter((j) => state.picked.has(j.id))) {
     const cached = state.series[j.id];
-    if (cached && cached.final) continue; // finished: its series no longer changes
+    const live = ["queued", "running"].includes(j.state);
+    if (cached && cached.final && !live) continue; // finished: its series no longer changes
     try {
       const m = await api(`/v1/jobs/${j.id}/metrics?max_points=300`, { auth: true });
-      m.final = !["queued", "running"].includes(j.state);
+      m.final = !live;
       state.series[j.id] = m;
     } catch (e) { /* the table shows the job's state; a missing log is not an error here */ }
   }

@@ -79,6 +79,8 @@ def test_overlay_draws_relevance_when_asked(client, image_bytes) -> None:
     ({"attention": "rollout", "target": "ship"}, "target only applies"),
     ({"attention": "relevance", "target": "giraffe"}, "unknown target"),
     ({"attention": "relevance", "target": "10"}, "unknown target"),
+    ({"attention": "relevance", "target": "\u00b2"}, "unknown target"),  # isdigit, not int
+    ({"attention": "relevance", "target": "9" * 5000}, "at most 200 characters"),
     ({"attention": "sideways"}, "Input should be"),
 ])
 def test_bad_explanation_options_are_422(client, image_bytes, params, needle) -> None:
@@ -123,3 +125,8 @@ def test_text_relevance_and_faithfulness(client) -> None:
     assert bad.status_code == 422 and "needs attention maps" in bad.text
     bad = client.post(TEXT, json={"text": "fine", "attention": "relevance", "target": "maybe"})
     assert bad.status_code == 422 and "unknown target" in bad.text
+    bad = client.post(TEXT, json={"text": "fine", "attention": "relevance", "target": "1" * 300})
+    assert bad.status_code == 422
+    many = client.post(TEXT, json={"text": ["good film"] * 17, "faithfulness": True})
+    assert many.status_code == 422 and "at most 16 texts" in many.text
+    assert client.post(TEXT, json={"text": ["good film"] * 17}).status_code == 200

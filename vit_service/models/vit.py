@@ -43,6 +43,8 @@ class ViTConfig:
     stem_width: int = 32  # conv stem: channels of its first conv, doubled at each stride 2
     tta_flip: bool = False  # eval mode: average the logits of the image and its mirror image
     # (flip test-time augmentation); attention maps come from the image as given
+    patch_dropout: float = 0.0  # training only: each image keeps a random (1 - p) share of its
+    # patch tokens (PatchDropout, Liu et al. 2022): steps ~1/(1 - p) cheaper; eval sees all
 
     @property
     def grid_size(self) -> tuple[int, int]:
@@ -56,6 +58,8 @@ class ViTConfig:
     def __post_init__(self) -> None:
         if self.img_size % self.patch_size:
             raise ValueError(f"img_size {self.img_size} not divisible by patch {self.patch_size}")
+        if not 0.0 <= self.patch_dropout < 1.0:
+            raise ValueError(f"patch_dropout must be in [0, 1), got {self.patch_dropout}")
 
 
 class PatchEmbed(nn.Module):
@@ -163,6 +167,8 @@ class ViT(nn.Module):
         weights, each ``(B, H, 1 + N, 1 + N)``, from this same forward pass. ``leaf_tokens``:
         the autograd graph starts at the embedded tokens (parameters are never part of it)."""
         x = self.embed(x)
+        if self.training and self.config.patch_dropout > 0:
+            x = self._drop_patches(x)
         if leaf_tokens:
             x = x.detach().requires_grad_()
         attns: list[Tensor] = []
@@ -171,6 +177,16 @@ class ViT(nn.Module):
             if w is not None:
                 attns.append(w)
         return self.norm(x), (attns if need_weights else None)
+
+    def _drop_patches(self, x: Tensor) -> Tensor:
+        """``(B, 1 + N, D)`` -> ``(B, 1 + K, D)``: the prefix and a random ``K = round((1 - p)
+        N)`` of the patch tokens per image (positions were added already, so order is free)."""
+        n = self.num_prefix_tokens
+        B, T, D = x.shape
+        keep = max(1, round((1 - self.config.patch_dropout) * (T - n)))
+        idx = torch.rand(B, T - n, device=x.device).argsort(dim=1)[:, :keep]  # (B, K)
+        patches = x[:, n:].gather(1, idx[..., None].expand(B, keep, D))  # (B, K, D)
+        return torch.cat([x[:, :n], patches], dim=1)
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         if self.config.pool == "mean":

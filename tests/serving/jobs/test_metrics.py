@@ -49,3 +49,14 @@ def test_downsampling_bounds_every_series(tmp_path: Path) -> None:
 def test_missing_log_gives_empty_series(tmp_path: Path) -> None:
     out = read_series(tmp_path / "none.log")
     assert out["series"] == {} and out["points"] == 0
+
+
+def test_a_restart_voids_every_series_past_its_checkpoint(tmp_path: Path) -> None:
+    ev = [{"event": "start", "step": 0}]
+    ev += [{"event": "step", "step": s, "loss": 1.0} for s in (10, 20, 30)]
+    ev += [{"event": "epoch", "step": 25, "val_acc": 0.4}]  # evaluated after the checkpoint
+    ev += [{"event": "start", "step": 20}]  # resumed from the checkpoint at step 20
+    ev += [{"event": "step", "step": 40, "loss": 0.5}]
+    out = read_series(_log(tmp_path / "r.log", ev))
+    assert out["series"]["loss"] == [[10, 1.0], [20, 1.0], [40, 0.5]]
+    assert out["series"]["val_acc"] == []  # the point at 25 belonged to the lost attempt

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from vit_service.models import create_model, get_config, set_fused_attn
+from vit_service.models.vit import ViT, ViTConfig
 
 timm = pytest.importorskip("timm")
 
@@ -100,3 +101,28 @@ def test_conv_stem_gives_the_same_token_grid() -> None:
     convs = [m for m in model.patch_embed.stem if isinstance(m, torch.nn.Conv2d)]
     assert [c.stride[0] for c in convs] == [1, 2, 2]  # 32 -> 16 -> 8
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_patch_dropout_keeps_a_random_share_in_training_only() -> None:
+    torch.manual_seed(0)
+    m = ViT(ViTConfig(img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2,
+                      patch_dropout=0.25, pool="mean"))
+    x = torch.randn(3, 3, 16, 16)
+    tokens = m.embed(x)  # (3, 17, 16)
+    kept = m._drop_patches(tokens)
+    assert kept.shape == (3, 1 + 12, 16)
+    assert torch.equal(kept[:, 0], tokens[:, 0])  # [CLS] always stays
+    for b in range(3):  # every kept token is one of the image's own, none twice
+        rows = {tuple(r.tolist()) for r in tokens[b, 1:]}
+        got = [tuple(r.tolist()) for r in kept[b, 1:]]
+        assert set(got) <= rows and len(set(got)) == 12
+    m.train()
+    feats, _ = m.forward_features(x)
+    assert feats.shape[1] == 13
+    m.eval()
+    feats, _ = m.forward_features(x)
+    assert feats.shape[1] == 17  # evaluation and serving see every patch
+    plain = ViT(ViTConfig(img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2,
+                          pool="mean")).eval()
+    plain.load_state_dict(m.state_dict())
+    assert torch.allclose(plain(x), m(x))
