@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from training.evaluate import _bundle_dir
+from training.evaluate import _bundle_dir, bundle_val_rows
 from vit_service.attention_maps import compute_attention_maps
 from vit_service.bundle import ModelBundle, load_bundle
-from vit_service.data import load_cifar10, load_imdb, split_indices
+from vit_service.data import load_cifar10, load_imdb
 from vit_service.explain import explain, faithfulness_curves, image_probs_fn, text_probs_fn
 
 log = logging.getLogger("explain_report")
@@ -57,8 +57,7 @@ def _timed(fn, *args, **kw):
 
 
 def _val_rows(bundle: ModelBundle, labels: np.ndarray, n: int) -> np.ndarray:
-    data = ((bundle.meta.extra or {}).get("recipe") or {}).get("data", {})
-    rows = split_indices(labels, int(data["val_size"]), int(data.get("split_seed", 0)), None)[1]
+    rows = bundle_val_rows(bundle.meta, labels)
     return rows[np.random.default_rng(0).permutation(len(rows))[:n]]  # a fixed random subset
 
 

@@ -17,8 +17,6 @@ from serving.errors import InvalidRequestError
 from serving.schemas import AttentionKind
 from vit_service.explain import Curves
 
-FAITHFUL_MAPS = ("rollout", "relevance")  # maps scored with faithfulness=true (and random)
-
 
 @dataclass(frozen=True)
 class ExplainSpec:
@@ -120,10 +118,11 @@ def faithfulness_dict(
     }
 
 
-def scored_maps(spec: ExplainSpec, rollout: Tensor, relevance: Tensor | None,
-                rows: list[int]) -> dict[str, Tensor]:
-    """The maps faithfulness scores for the items ``rows`` of a batch, each ``(n, N)``."""
+def scored_maps(rollout: Tensor, relevance: Tensor | None, rows: list[int]
+                ) -> dict[str, Tensor]:
+    """The maps faithfulness scores for the items ``rows`` of a batch, each ``(n, N)``
+    (relevance exists only on the gradient path, i.e. when it was asked for)."""
     out = {"rollout": rollout[rows].reshape(len(rows), -1)}
-    if spec.relevance and relevance is not None:
+    if relevance is not None:
         out["relevance"] = relevance[rows].reshape(len(rows), -1)
     return out

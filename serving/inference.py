@@ -170,10 +170,9 @@ def _faithfulness(
             if jobs[i].spec.faithfulness]
     if not rows or fwd.maps is None:
         return {}
-    spec = next(jobs[i].spec for i in idxs if jobs[i].spec.faithfulness)
     target = _explained(fwd, jobs, idxs)[rows]
     p_full = fwd.probs[rows].gather(1, target[:, None])[:, 0]
-    maps = scored_maps(spec, fwd.maps.rollout, fwd.relevance, rows)
+    maps = scored_maps(fwd.maps.rollout, fwd.relevance, rows)
     with torch.inference_mode():
         curves = faithfulness_curves(maps, valid[rows], probs_fn(rows, target), p_full)
     names = model.bundle.meta.class_names

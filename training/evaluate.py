@@ -114,7 +114,6 @@ def evaluate_bundle(
     (the training run's deterministic split, rebuilt from the recipe stored in the bundle) or
     ``test`` (when the data has one; else :class:`DataNotFoundError`)."""
     from vit_service.bundle import load_bundle
-    from vit_service.data import split_indices
 
     if split not in ("val", "test"):
         raise ValueError(f"split must be val or test, got {split!r}")
@@ -130,12 +129,7 @@ def evaluate_bundle(
     p = b.meta.preprocess
 
     def val_rows(labels: np.ndarray) -> np.ndarray:
-        if split != "val":
-            return np.arange(len(labels))
-        if "val_size" not in data:
-            raise ValueError("the bundle has no recipe (data.val_size): cannot rebuild val split")
-        return split_indices(labels, int(data["val_size"]), int(data.get("split_seed", 0)),
-                             None)[1]
+        return bundle_val_rows(b.meta, labels) if split == "val" else np.arange(len(labels))
 
     if b.meta.task == "image":
         from vit_service.data import load_cifar10, load_image_folder_train
@@ -179,6 +173,18 @@ def evaluate_bundle(
     log.info("evaluating %s on %s (%d examples)", model_ref, split, len(rows))
     return evaluate_batches(b.model, batches(), lambda m, bb: m(*bb.inputs),
                             b.meta.class_names, dev)
+
+
+def bundle_val_rows(meta: Any, labels: np.ndarray) -> np.ndarray:
+    """The training run's validation rows, rebuilt from the recipe stored in a bundle's
+    ``meta.extra`` (``data.val_size``, ``data.split_seed``)."""
+    from vit_service.data import split_indices
+
+    data = ((meta.extra or {}).get("recipe") or {}).get("data", {})
+    if "val_size" not in data:
+        raise ValueError("the bundle has no recipe (data.val_size): cannot rebuild val split")
+    return split_indices(labels, int(data["val_size"]), int(data.get("split_seed", 0)),
+                         None)[1]
 
 
 @dataclass

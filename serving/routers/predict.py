@@ -21,7 +21,7 @@ from serving.errors import (
     error_responses,
 )
 from serving.explanations import build_spec, check_explain_size
-from serving.inference import ImageInput, ImageJob, TextJob
+from serving.inference import ImageInput, ImageJob, InferenceService, JobOutput, TextJob
 from serving.model_store import IMAGE_CONTENT_TYPES
 from serving.schemas import (
     AttentionKind,
@@ -80,6 +80,18 @@ async def _read_images(request: Request, max_items: int) -> list[tuple[bytes, st
     if main in IMAGE_CONTENT_TYPES:
         return [(await request.body(), None)]
     raise UnsupportedMediaTypeError(ctype, [MULTIPART, *IMAGE_CONTENT_TYPES])
+
+
+def _respond(service: InferenceService, name: str,
+             schema: type[ImagePredictResponse] | type[TextPredictResponse],
+             out: JobOutput) -> Response:
+    """Validated once and encoded by pydantic-core (a returned ``Response`` skips FastAPI's
+    second validation pass; the route's ``response_model`` still documents the schema)."""
+    t0 = time.perf_counter()
+    body = schema.model_validate({"model": out.model.info(), "results": out.results})
+    resp = Response(body.model_dump_json(), media_type="application/json")
+    service.observe(name, "serialise", time.perf_counter() - t0)
+    return resp
 
 
 INLINE_DECODE_PIXELS = 256 * 256  # smaller images are decoded on the event loop (< ~1 ms)
@@ -157,14 +169,7 @@ async def predict_image(
         inputs = await run_in_threadpool(_decode_all, items, settings.max_image_pixels)
     service.observe(name, "decode", time.perf_counter() - t0)
     out = await service.predict(name, ImageJob(inputs, top_k, spec, overlay))
-    t0 = time.perf_counter()
-    # validated once and encoded by pydantic-core (a returned Response skips FastAPI's second
-    # validation pass); response_model above still documents the schema
-    resp = Response(ImagePredictResponse.model_validate(
-        {"model": out.model.info(), "results": out.results}).model_dump_json(),
-        media_type="application/json")
-    service.observe(name, "serialise", time.perf_counter() - t0)
-    return resp
+    return _respond(service, name, ImagePredictResponse, out)
 
 
 @router.post(
@@ -192,13 +197,7 @@ async def predict_text(
                 f"text {i} has {len(t)} characters; the limit is {settings.max_text_chars}"
             )
     served = loaded_model(store, name, "text")
-    spec = build_spec(body.attention if isinstance(body.attention, list) else [body.attention],
-                      body.faithfulness, body.target, served.class_names)
+    spec = build_spec(body.attention, body.faithfulness, body.target, served.class_names)
     check_explain_size(spec, len(texts), settings.max_explain_items, "texts")
     out = await service.predict(name, TextJob(texts, body.top_k, spec))
-    t0 = time.perf_counter()
-    resp = Response(TextPredictResponse.model_validate(
-        {"model": out.model.info(), "results": out.results}).model_dump_json(),
-        media_type="application/json")
-    service.observe(name, "serialise", time.perf_counter() - t0)
-    return resp
+    return _respond(service, name, TextPredictResponse, out)
