@@ -10,23 +10,24 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 .PHONY: setup run test lint bench clean browser
 setup: $(VENV)/.installed browser
 
-# Debian tools the checks use: headless Chromium + ChromeDriver for the web-page test, and
-# docker-compose to validate docker/compose.yaml (each skipped with a note if not installable).
+# Debian tools the checks use: headless Chromium + ChromeDriver for the web-page test,
+# docker-compose to validate docker/compose.yaml, and hey, the compiled load generator of
+# benchmarks/bench_serving.py (each skipped with a note if not installable).
 browser:
 	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null \
-	    || ! command -v docker-compose >/dev/null; then \
+	    || ! command -v docker-compose >/dev/null || ! command -v hey >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	      chromium chromium-driver docker-compose >/dev/null) \
-	      || echo "warning: chromium/docker-compose not installed"; \
-	  else echo "note: install chromium, chromium-driver and docker-compose for all checks"; fi; \
+	      chromium chromium-driver docker-compose hey >/dev/null) \
+	      || echo "warning: chromium/docker-compose/hey not installed"; \
+	  else echo "note: install chromium, chromium-driver, docker-compose and hey for all checks"; fi; \
 	fi
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch, torchvision" 2>/dev/null || $(PY) -m pip install $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,ray]'
 	touch $@
 
 DOCKERFILES := docker/Dockerfile docker/Dockerfile.cuda docker/testing/postgres.Dockerfile
@@ -35,7 +36,7 @@ lint: setup
 	$(VENV)/bin/hadolint $(DOCKERFILES)
 	$(VENV)/bin/shellcheck docker/*.sh docker/testing/*.sh benchmarks/*.sh .ci/run
 	@if command -v docker-compose >/dev/null; then \
-	  docker-compose -f docker/compose.yaml --profile gpu config -q && echo "compose.yaml: valid"; \
+	  docker-compose -f docker/compose.yaml --profile gpu --profile ray config -q && echo "compose.yaml: valid"; \
 	elif [ -n "$$REQUIRE_COMPOSE_CHECK" ]; then echo "docker-compose is missing"; exit 1; \
 	else echo "note: docker-compose not installed, compose.yaml not validated"; fi
 

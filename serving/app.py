@@ -1,9 +1,10 @@
 """The FastAPI application: ``create_app(settings)`` (also the uvicorn factory).
 
-Start-up (lifespan): point MLflow at the settings' tracking URI, try to load every configured
-model (a missing one is logged, /readyz answers 503 and predictions for it 503 until it
-appears), then start the background poll that picks up moved aliases. Shut-down stops the
-poll and the batchers.
+Start-up (lifespan): point MLflow at the settings' tracking URI; if this process leads its home
+(:mod:`serving.workers`: one per home, however many workers), start the job scheduler and the
+background poll that picks up moved aliases; try to load every configured model (a missing one
+is logged, /readyz answers 503 and predictions for it 503 until it appears); follow the
+versions the other processes publish. Shut-down stops the tasks and the batchers.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from fastapi import FastAPI
 
 from serving.errors import install_error_handlers
 from serving.inference import InferenceService
-from serving.jobs import JobManager
+from serving.jobs import create_job_manager
 from serving.metrics import MetricsMiddleware, ServingMetrics
 from serving.middleware import BodySizeLimitMiddleware
 from serving.model_cards import ModelCards
 from serving.model_store import ModelStore
 from serving.routers import health, jobs, models, predict
 from serving.routers.ui import mount_ui
+from serving.workers import Leadership, ModelSync
 from vit_service import __version__, tracking
 from vit_service.config import Settings, get_settings
 
@@ -46,7 +48,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = ServingMetrics()
     store = ModelStore(settings, metrics)
     service = InferenceService(store, settings, metrics)
-    job_manager = JobManager(settings)
+    job_manager = create_job_manager(settings)
+    several = (settings.workers or 1) > 1  # one of `serve --workers N`'s processes
+    leadership = Leadership(settings.home / "serving.lock" if several else None)
+    sync = ModelSync(settings.home / "serving-models.json", store) if several else None
+    if sync is not None:
+        store.on_swap = sync.publish
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,24 +64,42 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             log.warning("no API key configured (VIT_SERVICE_API_KEY): "
                         "POST /v1/models/{name}/reload is refused with 403")
         log.info("tracking URI %s; models: %s", uri, settings.models)
-        await asyncio.to_thread(job_manager.start)  # re-adopts or settles jobs left running
+        tasks: list[asyncio.Task] = []
+
+        async def lead() -> None:
+            """The job scheduler and the registry poll run in one process per home."""
+            await asyncio.to_thread(job_manager.start)  # re-adopts or settles jobs left running
+            if settings.reload_interval_s > 0:
+                tasks.append(asyncio.create_task(
+                    store.poll_forever(settings.reload_interval_s), name="model-poll"))
+
+        async def lead_when_free() -> None:  # another process leads: take over if it dies
+            while not leadership.try_acquire():
+                await asyncio.sleep(2.0)
+            await lead()
+
+        if leadership.try_acquire():
+            await lead()
+        else:
+            log.info("another process leads %s: this one serves only", leadership.path)
+            tasks.append(asyncio.create_task(lead_when_free(), name="leadership"))
         await store.load_all()
         missing = [n for n in store.names if store.get(n) is None]
         if missing:
             log.warning("not loaded yet (503 until available): %s", ", ".join(missing))
-        poller = None
-        if settings.reload_interval_s > 0:
-            poller = asyncio.create_task(store.poll_forever(settings.reload_interval_s),
-                                         name="model-poll")
+        if sync is not None:
+            tasks.append(asyncio.create_task(sync.follow_forever(0.5), name="model-sync"))
         try:
             yield
         finally:
-            if poller is not None:
-                poller.cancel()
+            for task in tasks:
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await poller
+                    await task
             await service.close()
-            await asyncio.to_thread(job_manager.stop)  # running jobs go on; re-adopted later
+            if leadership.is_leader:
+                await asyncio.to_thread(job_manager.stop)  # running jobs go on; re-adopted
+            leadership.release()
 
     app = FastAPI(
         title="vit-service",
@@ -88,6 +113,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.cards = ModelCards(store)
     app.state.service = service
     app.state.jobs = job_manager
+    app.state.leadership = leadership
 
     install_error_handlers(app)
     jobs.install_job_error_handler(app)

@@ -8,6 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from vit_service.config import Settings
@@ -26,6 +30,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", default=None, metavar="NAME=SOURCE",
                    help="serve SOURCE (models:/name@alias, models:/name/N, runs:/id/model or a "
                    "bundle folder) as NAME; repeatable; replaces VIT_SERVICE_MODELS")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="API processes (default: VIT_SERVICE_WORKERS, else one per 2 cores, at "
+                   "most 4); each serves every model with cores/N torch threads")
     p.add_argument("--max-batch-size", type=int, default=None)
     p.add_argument("--max-wait-ms", type=float, default=None)
     p.add_argument("--log-level", default="info",
@@ -35,7 +42,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {}
     for arg, key in (("host", "host"), ("port", "port"), ("reload_interval", "reload_interval_s"),
-                     ("max_batch_size", "max_batch_size"), ("max_wait_ms", "max_wait_ms")):
+                     ("max_batch_size", "max_batch_size"), ("max_wait_ms", "max_wait_ms"),
+                     ("workers", "workers")):
         value = getattr(args, arg, None)
         if value is not None:
             overrides[key] = value
@@ -52,16 +60,52 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return settings
 
 
-def serve(args: argparse.Namespace) -> int:
+def default_workers() -> int:
+    """One process per two cores (each with two torch threads), at least 1, at most 4."""
+    return max(1, min(4, (os.cpu_count() or 1) // 2))
+
+
+def run_api(settings: Settings, log_level: str) -> None:
+    """uvicorn with ``settings.workers`` processes (:mod:`serving.workers` keeps one leader and
+    one model version per home). The workers are fresh interpreters that build the app from the
+    environment, so the settings given on the command line are exported to them first."""
     import uvicorn
 
-    from serving.app import create_app
+    workers = settings.workers or default_workers()
+    if workers == 1:
+        from serving.app import create_app
 
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                    log_level=log_level)
+        return
+    env = {"VIT_SERVICE_WORKERS": str(workers), "VIT_SERVICE_HOME": str(settings.home),
+           "VIT_SERVICE_MODELS": json.dumps(settings.models),
+           "VIT_SERVICE_RELOAD_INTERVAL_S": str(settings.reload_interval_s),
+           "VIT_SERVICE_MAX_BATCH_SIZE": str(settings.max_batch_size),
+           "VIT_SERVICE_MAX_WAIT_MS": str(settings.max_wait_ms),
+           "VIT_SERVICE_TORCH_THREADS": str(
+               settings.torch_threads or max(1, (os.cpu_count() or 1) // workers))}
+    if settings.tracking_uri:
+        env["MLFLOW_TRACKING_URI"] = settings.tracking_uri
+    if settings.mlflow_ui_url:
+        env["VIT_SERVICE_MLFLOW_UI_URL"] = settings.mlflow_ui_url
+    os.environ.update(env)
+    # Prometheus: every worker writes its samples under this folder; /metrics sums them
+    prom = Path(tempfile.mkdtemp(prefix="vit-service-prometheus-"))
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(prom)
+    log.info("%d workers, %s torch threads each", workers, env["VIT_SERVICE_TORCH_THREADS"])
+    try:
+        uvicorn.run("serving.app:create_app", factory=True, host=settings.host,
+                    port=settings.port, log_level=log_level, workers=workers)
+    finally:
+        shutil.rmtree(prom, ignore_errors=True)
+
+
+def serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     log.info("serving %s on http://%s:%d", json.dumps(settings.models), settings.host,
              settings.port)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level=args.log_level, workers=1)
+    run_api(settings, args.log_level)
     return 0
 
 

@@ -38,7 +38,8 @@ class ServingMetrics:
             buckets=LATENCY_BUCKETS, registry=r,
         )
         self.in_flight = Gauge(
-            "vit_service_http_requests_in_flight", "requests being handled", registry=r
+            "vit_service_http_requests_in_flight", "requests being handled", registry=r,
+            multiprocess_mode="livesum",
         )
         self.batch_size = Histogram(
             "vit_service_batch_size", "inputs per forward pass", ["model"],
@@ -57,14 +58,15 @@ class ServingMetrics:
         )
         self.model_load_seconds = Gauge(
             "vit_service_model_load_seconds", "duration of the last model load", ["model"],
-            registry=r,
+            registry=r, multiprocess_mode="max",
         )
         self.model_loads = Counter(
             "vit_service_model_loads", "model load attempts", ["model", "outcome"], registry=r
         )
         self.model_loaded = Gauge(
-            "vit_service_model_loaded", "1 if a version of the model is being served",
-            ["model"], registry=r,
+            "vit_service_model_loaded", "1 if a version of the model is being served (with "
+            "several workers: by every live one)", ["model"], registry=r,
+            multiprocess_mode="livemin",
         )
 
 

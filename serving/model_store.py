@@ -22,6 +22,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -145,6 +146,8 @@ class ModelStore:
         self._client: MlflowClient | None = None
         self._slots = {name: _Slot(src) for name, src in settings.models.items()}
         self._loaded: dict[str, LoadedModel] = {}
+        # called with (name, fingerprint) after each swap: serving.workers.ModelSync.publish
+        self.on_swap: Callable[[str, str], None] | None = None
 
     # --- lookup ---------------------------------------------------------------------------------
 
@@ -208,6 +211,11 @@ class ModelStore:
                 raise ModelLoadError(slot.error) from e
             self._loaded[name] = new  # the swap: atomic for readers
             slot.error = None
+            if self.on_swap is not None:
+                try:
+                    self.on_swap(name, resolved.fingerprint)
+                except OSError as e:  # the others catch up at their next poll
+                    log.warning("could not publish %r version %s: %s", name, new.version, e)
             if self.metrics:
                 self.metrics.model_loads.labels(name, "ok").inc()
                 self.metrics.model_load_seconds.labels(name).set(new.load_seconds)

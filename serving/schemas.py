@@ -280,6 +280,9 @@ class ReloadResponse(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok"] = "ok"
+    pid: int = Field(description="the worker process that answered")
+    leader: bool = Field(description="whether it runs the job scheduler and the registry poll "
+                         "(one process per home)")
 
 
 class ReadyResponse(BaseModel):

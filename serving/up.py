@@ -74,9 +74,7 @@ def _client_host(host: str) -> str:
 
 
 def run_up(args: argparse.Namespace, base: Settings) -> int:
-    import uvicorn
-
-    from serving.app import create_app
+    from serving.cli import run_api
 
     host = _client_host(base.host)
     mlflow_url = f"http://{host}:{args.mlflow_port}"
@@ -92,8 +90,7 @@ def run_up(args: argparse.Namespace, base: Settings) -> int:
     print(f"MLflow UI:  {mlflow_url}\nAPI and web page: http://{host}:{settings.port}/  "
           f"(API docs at /docs)", flush=True)
     try:
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                    log_level=args.log_level)
+        run_api(settings, args.log_level)
     finally:
         stop_process(proc)
         log.info("MLflow server stopped")

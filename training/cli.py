@@ -33,8 +33,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="override recipe.device")
     p.add_argument("--max-steps", type=int, help="stop after N steps (schedule unchanged)")
     p.add_argument("--subset", type=int, help="train on N examples (data.subset)")
-    p.add_argument("--resume", metavar="PATH|auto", help="continue from a checkpoint, a run "
-                   "folder, or `auto` (latest checkpoint of --run-name or of this recipe)")
+    p.add_argument("--resume", metavar="PATH|auto|if-exists", help="continue from a checkpoint, "
+                   "a run folder, or `auto` (latest checkpoint of --run-name or of this recipe); "
+                   "`if-exists`: the --run-name's checkpoint when it has one, else start afresh "
+                   "(what a job executor that cannot see the run folder asks)")
     p.add_argument("--run-name", help="run name (default: <recipe>-<timestamp>); the run folder "
                    "is $VIT_SERVICE_HOME/runs/<run-name>")
     p.add_argument("--no-register", action="store_true",
@@ -79,6 +81,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     settings = _settings()
     data_dir = args.data_dir or settings.data_dir
+    if args.resume == "if-exists":
+        if not args.run_name:
+            return _fail("--resume if-exists needs --run-name")
+        last = Path(settings.home) / "runs" / args.run_name / "checkpoints" / "last.pt"
+        args.resume = "auto" if last.is_file() else None
     try:
         overrides: dict[str, Any] = parse_overrides(args.overrides)
         if args.subset is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -66,6 +67,10 @@ class Settings(BaseSettings):
         True, description="/readyz: every configured model loaded (else: at least one)"
     )
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
+    workers: int | None = Field(
+        None, ge=1, le=64, description="`vit-service serve` processes; default: one per two "
+        "cores, at most 4 (serving/workers.py: one leader, one model version per home)"
+    )
 
     # --- training jobs over the API (owned by serving/jobs) -----------------------------------
     jobs_db_url: str | None = Field(
@@ -79,6 +84,39 @@ class Settings(BaseSettings):
     )
     jobs_max_procs: int = Field(8, ge=1, description="most processes (torchrun) one job may ask")
     jobs_poll_s: float = Field(0.5, gt=0, description="how often the job scheduler looks around")
+    jobs_executor: Literal["local", "ray"] = Field(
+        "local", description="where jobs run: processes on this machine, or a Ray cluster"
+    )
+
+    # --- jobs on a Ray cluster (VIT_SERVICE_JOBS_EXECUTOR=ray; docs/jobs.md) -----------------
+    ray_address: str = Field(
+        "http://127.0.0.1:8265", description="the Ray head's dashboard / Job Submission address"
+    )
+    ray_timeout_s: float = Field(10.0, gt=0, description="timeout of each call to the Ray head")
+    ray_home: str | None = Field(
+        None, description="VIT_SERVICE_HOME as the cluster's nodes see it: a folder every node "
+        "mounts (runs and checkpoints live there, so a job resumes on any node); default: home"
+    )
+    ray_data_dir: str | None = Field(
+        None, description="the datasets folder as the nodes see it; default: data_dir"
+    )
+    ray_tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI for jobs on the cluster (an MLflow server the "
+        "nodes reach); default: the service's own tracking URI"
+    )
+    ray_python: str = Field("python", description="the interpreter on the nodes that has "
+                            "vit-service installed (the trainer image's)")
+    ray_cpus_per_proc: float = Field(
+        1.0, ge=0, description="CPUs Ray reserves per training process of a job"
+    )
+    ray_auto_gpus: bool = Field(
+        False, description="reserve a GPU per process for recipes with device: auto (true on a "
+        "GPU cluster; device: cuda recipes always do)"
+    )
+    ray_submit_grace_s: float = Field(
+        30.0, gt=0, description="a job claimed this long ago that Ray does not know yet was "
+        "never submitted (its API process died in between): it is queued again"
+    )
 
     @property
     def resolved_jobs_db_url(self) -> str:

@@ -147,6 +147,7 @@ class JobManager:
             raise JobError(422, f"nprocs must be between 1 and {self.settings.jobs_max_procs}")
         self._check_paths(overrides)
         self.validate(recipe, overrides)
+        self._admit(recipe, overrides, nprocs)
         job = self.store.create(name=name, recipe=recipe, overrides=overrides, nprocs=nprocs,
                                 runs_root=self.runs_root)
         log.info("job %s queued: %s %s", job.id, recipe, overrides)
@@ -163,18 +164,20 @@ class JobManager:
         if job.state != JobState.running:
             raise JobError(409, f"job {job_id} is {job.state.value}; only queued or running "
                                 "jobs can be cancelled")
-        with self._lock:
-            t = self._tracked.get(job_id)
-            if t is not None and t.cancel_at is None:
-                self._signal(t.pid, signal.SIGTERM)
-                t.cancel_at = time.monotonic()
-        return self.store.update(job_id, reason="cancel requested")
+        self.store.update(job_id, reason="cancel requested")  # before the stop: what ends
+        try:                                                   # next reads it as a cancel
+            self._request_stop(job)
+        except JobError:
+            self.store.update(job_id, reason=job.reason)
+            raise
+        return self._get(job_id)
 
     def resume(self, job_id: str) -> JobRecord:
         job = self._get(job_id)
         done = self.store.transition(
             job_id, {JobState.failed, JobState.cancelled}, state=JobState.queued, resume=1,
             exit_code=None, finished_at=None, reason=None, pid=None, pid_start=None,
+            executor=None,
         )
         if done is None:
             raise JobError(409, f"job {job_id} is {job.state.value}; only failed or cancelled "
@@ -201,6 +204,18 @@ class JobManager:
     def metrics(self, job_id: str, max_points: int = 500) -> dict[str, Any]:
         """The job's metric series from its progress log (see :mod:`serving.jobs.metrics`)."""
         return read_series(self._get(job_id).log_path, max_points)
+
+    # --- executor hooks (this class: local processes; serving.jobs.ray_jobs: a Ray cluster) ---
+    def _admit(self, recipe: str, overrides: dict[str, Any], nprocs: int) -> None:
+        """Last check before a valid job is queued (raise ``JobError`` to refuse it)."""
+
+    def _request_stop(self, job: JobRecord) -> None:
+        """Ask a running job to stop: SIGTERM, so that it checkpoints (SIGKILL after the grace)."""
+        with self._lock:
+            t = self._tracked.get(job.id)
+            if t is not None and t.cancel_at is None:
+                self._signal(t.pid, signal.SIGTERM)
+                t.cancel_at = time.monotonic()
 
     # --- scheduler ------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -248,25 +263,23 @@ class JobManager:
         # progress is read from here on; an earlier attempt's lines (before resuming) are skipped
         offset = claimed.log_path.stat().st_size
         self._tracked[job.id] = _Tracked(proc, proc.pid, start, offset=offset)
-        self.store.update(job.id, pid=proc.pid, pid_start=start)
+        self.store.update(job.id, pid=proc.pid, pid_start=start, executor="local")
         log.info("job %s started (pid %d): %s", job.id, proc.pid, " ".join(cmd))
         return True
 
     def command(self, job: JobRecord) -> list[str]:
-        train = ["-m", "vit_service.cli", "train", job.recipe, "--run-name", f"job-{job.id}"]
         if job.resume and (Path(job.run_dir) / "checkpoints" / "last.pt").exists():
-            train += ["--resume", "auto"]  # the checkpoint holds the resolved recipe
+            resume = "auto"  # the checkpoint holds the resolved recipe
         else:  # first start, or a resume before any checkpoint was written: start afresh
-            for key, value in job.overrides.items():
-                train += ["--set", f"{key}={json.dumps(value)}"]  # JSON scalars parse as YAML
-        if job.nprocs > 1:
-            return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc_per_node={job.nprocs}", *train[1:]]
-        return [sys.executable, *train]
+            resume = None
+        return train_command(job, sys.executable, resume)
 
     def _poll(self, job_id: str) -> None:
         t = self._tracked[job_id]
         self._read_progress(job_id, t)
+        if t.cancel_at is None and self._get(job_id).reason == "cancel requested":
+            self._signal(t.pid, signal.SIGTERM)  # asked through another process (a worker)
+            t.cancel_at = time.monotonic()
         if t.cancel_at is not None and not t.killed and \
                 time.monotonic() - t.cancel_at > self.settings.jobs_cancel_grace_s:
             log.warning("job %s ignored SIGTERM for %.0fs; killing it", job_id,
@@ -366,6 +379,32 @@ class JobManager:
             os.killpg(pid, sig)  # the whole group: torchrun and its workers
         except ProcessLookupError:
             pass
+
+
+def create_job_manager(settings: Settings) -> JobManager:
+    """The manager for ``settings.jobs_executor``: local processes, or a Ray cluster."""
+    if settings.jobs_executor == "ray":
+        from serving.jobs.ray_jobs import RayJobManager
+
+        return RayJobManager(settings)
+    return JobManager(settings)
+
+
+def train_command(job: JobRecord, python: str, resume: str | None) -> list[str]:
+    """The ``vit-service train`` command line of ``job``: built from its validated recipe name
+    and typed overrides only (never a user string), under torchrun when it asks >1 process.
+    ``resume``: None (start afresh), ``auto`` (the run's checkpoint: the recipe comes from it)
+    or ``if-exists`` (the checkpoint if there is one, else afresh with the overrides)."""
+    train = ["-m", "vit_service.cli", "train", job.recipe, "--run-name", f"job-{job.id}"]
+    if resume is not None:
+        train += ["--resume", resume]
+    if resume != "auto":
+        for key, value in job.overrides.items():
+            train += ["--set", f"{key}={json.dumps(value)}"]  # JSON scalars parse as YAML
+    if job.nprocs > 1:
+        return [python, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={job.nprocs}", *train]
+    return [python, *train]
 
 
 def _parse_event(line: str) -> dict[str, Any] | None:

@@ -52,6 +52,8 @@ class Job(BaseModel):
     progress: JobProgress
     mlflow_run_id: str | None
     mlflow_run_url: str | None = Field(None, description="the run in the MLflow UI")
+    executor: str | None = Field(None, description="where the current attempt runs (local | "
+                                 "ray), once that executor accepted it")
 
     @classmethod
     def from_record(cls, r: JobRecord, mlflow_ui_url: str | None) -> Job:

@@ -10,7 +10,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Integer, String, Text, create_engine, select
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Integer,
+    String,
+    Text,
+    create_engine,
+    inspect,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 
@@ -55,6 +66,12 @@ class _JobRow(_Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     mlflow_run_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     progress: Mapped[dict] = mapped_column(JSON, default=dict)
+    # where the current attempt runs, set once that executor accepted it: local | ray
+    executor: Mapped[str | None] = mapped_column(String(16), nullable=True)
+
+
+# columns added after the first release: (name, DDL type), added to older tables on start-up
+_ADDED_COLUMNS = (("executor", "VARCHAR(16)"),)
 
 
 @dataclass
@@ -79,6 +96,7 @@ class JobRecord:
     attempts: int = 0
     mlflow_run_id: str | None = None
     progress: dict[str, Any] = field(default_factory=dict)
+    executor: str | None = None
 
     @property
     def log_path(self) -> Path:
@@ -95,7 +113,7 @@ def _record(row: _JobRow) -> JobRecord:
         run_dir=row.run_dir, started_at=aware(row.started_at), finished_at=aware(row.finished_at),
         exit_code=row.exit_code, reason=row.reason, pid=row.pid, pid_start=row.pid_start,
         resume=bool(row.resume), attempts=row.attempts, mlflow_run_id=row.mlflow_run_id,
-        progress=json.loads(json.dumps(row.progress or {})),
+        progress=json.loads(json.dumps(row.progress or {})), executor=row.executor,
     )
 
 
@@ -110,6 +128,7 @@ class JobStore:
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
         self.engine = create_engine(url, pool_pre_ping=True, **kwargs)
         _Base.metadata.create_all(self.engine)
+        self._add_missing_columns()
         self._session = sessionmaker(self.engine, expire_on_commit=False)
 
     def create(
@@ -158,13 +177,26 @@ class JobStore:
         return self.get(job_id)
 
     def transition(self, job_id: str, expect: set[JobState], **values: Any) -> JobRecord | None:
-        """Update only if the job is in one of ``expect`` states (compare-and-set)."""
+        """Update only if the job is in one of ``expect`` states (compare-and-set).
+
+        One conditional ``UPDATE ... WHERE id = ? AND state IN (...)``: atomic in every
+        database, so of two schedulers (two API processes on one database) claiming the same
+        queued job, exactly one sees a row updated."""
+        values = {k: v.value if isinstance(v, JobState) else v for k, v in values.items()}
+        if "resume" in values:
+            values["resume"] = int(bool(values["resume"]))
+        q = (update(_JobRow).where(_JobRow.id == job_id)
+             .where(_JobRow.state.in_([e.value for e in expect])).values(**values))
         with self._session.begin() as s:
-            row = s.get(_JobRow, job_id, with_for_update=True)
-            if row is None or JobState(row.state) not in expect:
+            if s.execute(q).rowcount != 1:
                 return None
-            for k, v in values.items():
-                if isinstance(v, JobState):
-                    v = v.value
-                setattr(row, k, v)
         return self.get(job_id)
+
+    def _add_missing_columns(self) -> None:
+        """A jobs table from an older release gets the columns added since (no data moves)."""
+        have = {c["name"] for c in inspect(self.engine).get_columns(_JobRow.__tablename__)}
+        with self.engine.begin() as conn:
+            for name, ddl in _ADDED_COLUMNS:
+                if name not in have:
+                    table = _JobRow.__tablename__
+                    conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {name} {ddl}"))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import os
+
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
 
 from serving.deps import MetricsDep, SettingsDep, StoreDep
 from serving.schemas import HealthResponse, ReadyResponse
@@ -13,8 +15,8 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz", response_model=HealthResponse, summary="Liveness")
-async def healthz() -> HealthResponse:
-    return HealthResponse()
+async def healthz(request: Request) -> HealthResponse:
+    return HealthResponse(pid=os.getpid(), leader=request.app.state.leadership.is_leader)
 
 
 @router.get(
@@ -39,4 +41,8 @@ async def readyz(store: StoreDep, settings: SettingsDep) -> JSONResponse:
                      "description": "Prometheus text format"}},
 )
 async def metrics(m: MetricsDep) -> Response:
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # --workers N: the sum over the workers
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

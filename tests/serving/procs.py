@@ -23,8 +23,8 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, env: dict[str, str], home: Path) -> None:
-        self.env, self.home = env, home
+    def __init__(self, env: dict[str, str], home: Path, args: tuple[str, ...] = ()) -> None:
+        self.env, self.home, self.args = env, home, args
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
@@ -34,7 +34,7 @@ class Server:
         log = open(self.home / f"server-{port}.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vit_service.cli", "serve", "--port", str(port),
-             "--reload-interval", "0"],
+             "--reload-interval", "0", *self.args],
             cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 90

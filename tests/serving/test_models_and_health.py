@@ -1,3 +1,4 @@
+import os
 import shutil
 import threading
 import time
@@ -12,7 +13,8 @@ AUTH = {"Authorization": "Bearer secret"}
 
 
 def test_healthz_readyz(client) -> None:
-    assert client.get("/healthz").json() == {"status": "ok"}
+    # one process: it leads (job scheduler, registry poll)
+    assert client.get("/healthz").json() == {"status": "ok", "pid": os.getpid(), "leader": True}
     r = client.get("/readyz")
     assert r.status_code == 200
     assert r.json() == {"status": "ready", "loaded": {"cifar10-vit": "1", "imdb-sentiment": "1",

@@ -73,7 +73,8 @@ def server(registry, tmp_path):
 def test_real_uvicorn_server(server, image_bytes) -> None:
     base, proc, log = server
     with httpx.Client(base_url=base, timeout=30) as http:
-        assert http.get("/healthz").json() == {"status": "ok"}
+        health = http.get("/healthz").json()
+        assert health["status"] == "ok" and health["leader"] is True  # one process: it leads
         assert http.get("/readyz").status_code == 200
         r = http.post("/v1/predict/image", params={"top_k": 2},
                       files=[("file", ("a.png", image_bytes(), "image/png")),

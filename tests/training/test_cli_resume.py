@@ -102,3 +102,18 @@ def test_resume_execution_keys_need_no_checkpoint_read(cli, capsys) -> None:
     assert kw is not None and kw["resume_overrides"] == {"threads": "2"}
     rc, err, kw = cli(["--set", "epochs=6", "--resume", "auto", "--run-name", "nope"], capsys)
     assert rc == 2 and kw is None and "no checkpoint for run 'nope'" in err
+
+
+def test_resume_if_exists_resumes_a_run_with_a_checkpoint_else_starts_afresh(cli, capsys) -> None:
+    rc, err, kw = cli(["--set", "epochs=6", "--resume", "if-exists", "--run-name", "r1"], capsys)
+    assert rc == 0, err
+    assert kw is not None and kw["resume"] == "auto"  # r1 has a checkpoint
+    rc, err, kw = cli(["--set", "epochs=7", "--resume", "if-exists", "--run-name", "new"],
+                      capsys)
+    assert rc == 0, err
+    assert kw is not None and kw["resume"] is None and kw["resume_overrides"] == {}
+    rc, err, kw = cli(["--set", "epochs=7", "--resume", "if-exists", "--run-name", "r1"],
+                      capsys)
+    assert rc == 2 and "epochs: the checkpoint has 6, requested 7" in err  # still checked
+    rc, err, kw = cli(["--resume", "if-exists"], capsys)
+    assert rc == 2 and kw is None and "--resume if-exists needs --run-name" in err

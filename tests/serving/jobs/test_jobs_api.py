@@ -1,11 +1,14 @@
-"""The jobs API end to end: a real `vit-service serve` process, real `vit-service train` jobs
-(smoke recipe on a generated CIFAR-10 archive), a real SQLite jobs database and MLflow."""
+"""The jobs API end to end, for both executors: a real `vit-service serve` process, real
+`vit-service train` jobs (smoke recipe on a generated CIFAR-10 archive), a real SQLite jobs
+database and MLflow; with ``executor=ray`` the jobs go to a real single-node Ray cluster on
+loopback (one head for the whole session, tests/serving/jobs/ray_head.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,19 +17,21 @@ import httpx
 import pytest
 
 from tests.serving.procs import KEY, Server
-from tests.training.conftest import make_cifar_archive
+from tests.training.conftest import make_cifar_archive, mlflow_client
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    root = tmp_path_factory.mktemp("jobs-e2e")
+@pytest.fixture(scope="module", params=["local", "ray"])
+def server(request: pytest.FixtureRequest,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    executor = request.param
+    root = tmp_path_factory.mktemp(f"jobs-e2e-{executor}")
     data = root / "data"
     data.mkdir()
     make_cifar_archive(data / "cifar10-jpeg-train.tar.gz", per_class=30)
     home = root / "home"
     home.mkdir()
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("VIT_SERVICE_", "MLFLOW_"))}
+           if not k.startswith(("VIT_SERVICE_", "MLFLOW_", "RAY_"))}
     env.update({
         "VIT_SERVICE_HOME": str(home), "VIT_SERVICE_DATA_DIR": str(data),
         "VIT_SERVICE_CACHE_DIR": str(root / "cache"), "VIT_SERVICE_API_KEY": KEY,
@@ -35,7 +40,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "VIT_SERVICE_MLFLOW_UI_URL": "http://mlflow.example:5000",
         "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "LOG_LEVEL": "WARNING",
     })
+    if executor == "ray":
+        head = request.getfixturevalue("ray_head")
+        env.update({"VIT_SERVICE_JOBS_EXECUTOR": "ray", "VIT_SERVICE_RAY_ADDRESS": head.address,
+                    "VIT_SERVICE_RAY_PYTHON": sys.executable})
     s = Server(env, home)
+    s.executor = executor  # type: ignore[attr-defined]
     s.start()
     yield s
     s.stop()
@@ -54,6 +64,12 @@ def _follow(server: Server, job_id: str, until: set[str], timeout: float = 240,
             raise AssertionError(f"job ended {job['state']}: {job['reason']}\n" + "\n".join(logs))
         time.sleep(0.5)
     raise AssertionError(f"job {job_id} stuck in {job.get('state')}: {job}")
+
+
+def _ts(iso: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
 
 
 def test_auth_is_required(server: Server) -> None:
@@ -88,9 +104,20 @@ def test_submit_and_follow_to_success(server: Server) -> None:
     assert r.status_code == 202, r.text
     job = r.json()
     assert job["state"] == "queued" and job["name"] == "smoke"
+    t0 = time.monotonic()
+    first_step = _follow(server, job["id"], {"running", "succeeded"},
+                         pred=lambda j: (j["progress"].get("step") or 0) > 0)
+    t_step = time.monotonic() - t0
     done = _follow(server, job["id"], {"succeeded"})
+    print(f"\n[{server.executor}] job timeline: submitted -> claimed "
+          f"{(_ts(done['started_at']) - _ts(done['created_at'])):.1f} s -> first step seen "
+          f"{t_step:.1f} s -> succeeded {(_ts(done['finished_at']) - _ts(done['created_at'])):.1f}"
+          f" s (state at first step: {first_step['state']})")
     assert done["exit_code"] == 0 and done["started_at"] and done["finished_at"]
-    assert done["mlflow_run_id"]
+    assert done["mlflow_run_id"] and done["executor"] == server.executor
+    uri = server.env["MLFLOW_TRACKING_URI"]
+    versions = mlflow_client(uri).search_model_versions(f"run_id='{done['mlflow_run_id']}'")
+    assert [v.name for v in versions] == ["cifar10-vit"]  # the recipe's register_as
     assert done["mlflow_run_url"].endswith(f"/#/runs/{done['mlflow_run_id']}")
     assert "val_acc" in done["progress"]["metrics"]
     assert done["progress"]["total_steps"] == done["progress"]["step"]
@@ -140,7 +167,9 @@ def test_cancel_leaves_a_checkpoint_and_resume_continues(server: Server) -> None
                     pred=lambda j: (j["progress"].get("step") or 0) > step_at_cancel)
     assert again["attempts"] == 2
     logs = "\n".join(server.get(f"/v1/jobs/{job['id']}/logs?tail=400").json()["lines"])
-    assert "--resume auto" in logs
+    assert ("--resume auto" if server.executor == "local" else "--resume if-exists") in logs
+    starts = [json.loads(ln) for ln in logs.splitlines() if ln.startswith('{"event": "start"')]
+    assert starts and starts[-1]["step"] >= step_at_cancel  # continued from the checkpoint
     server.post(f"/v1/jobs/{job['id']}/cancel")
     _follow(server, job["id"], {"cancelled"}, timeout=90)
     r = server.post(f"/v1/jobs/{job['id']}/cancel")
@@ -157,3 +186,22 @@ def test_restart_mid_job_keeps_the_record(server: Server) -> None:
     assert rec["state"] in {"running", "succeeded"}
     done = _follow(server, job["id"], {"succeeded"})
     assert done["progress"]["step"] == done["progress"]["total_steps"]
+
+
+def test_two_api_processes_start_each_job_once(server: Server) -> None:
+    """A second API process on the same jobs database and home: every queued job is claimed
+    by exactly one scheduler (one attempt, one launch line in its log)."""
+    other = Server(server.env, server.home)
+    other.start()
+    try:
+        ids = [server.post("/v1/jobs", json={"recipe": "cifar10-smoke", "overrides": {
+            "epochs": 1, "data.subset": 96, "attention_samples": 0}}).json()["id"]
+            for _ in range(3)]
+        for job_id in ids:
+            done = _follow(other, job_id, {"succeeded"})
+            assert done["attempts"] == 1, done
+            log = (Path(server.home) / "runs" / f"job-{job_id}" / "job.log").read_text()
+            launches = [ln for ln in log.splitlines() if ln.startswith("# ")]
+            assert len(launches) == 1, launches
+    finally:
+        other.stop()

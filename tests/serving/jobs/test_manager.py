@@ -155,3 +155,18 @@ def test_restart_readopts_live_jobs_and_fails_dead_ones(settings: Settings) -> N
     ckpt.write_bytes(b"")
     cmd = JobManager.command(mgr3, again)
     assert cmd[-2:] == ["--resume", "auto"] and "--set" not in cmd
+
+
+def test_train_command_runs_the_cli_module_under_torchrun(settings: Settings) -> None:
+    """nprocs > 1: ``python -m torch.distributed.run ... -m vit_service.cli train`` (torchrun
+    needs the ``-m`` to run a module, not a file named vit_service.cli)."""
+    mgr = JobManager(settings)
+    job = mgr.store.create(name="x", recipe="cifar10-smoke", overrides={"epochs": 2}, nprocs=2,
+                           runs_root=mgr.runs_root)
+    assert mgr.command(job) == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "-m", "vit_service.cli", "train", "cifar10-smoke", "--run-name", f"job-{job.id}",
+        "--set", "epochs=2"]
+    one = mgr.store.create(name="y", recipe="cifar10-smoke", overrides={}, nprocs=1,
+                           runs_root=mgr.runs_root)
+    assert mgr.command(one)[:3] == [sys.executable, "-m", "vit_service.cli"]

@@ -1,0 +1,310 @@
+"""Training jobs on a Ray cluster, behind the same jobs API (``VIT_SERVICE_JOBS_EXECUTOR=ray``).
+
+The SQL job table stays the source of truth; Ray runs the processes. Each attempt is one Ray job
+submitted through ``ray.job_submission.JobSubmissionClient`` with ``submission_id`` = our job id
+(``<id>-r<n>`` for the n-th attempt after a resume: Ray ids are single-use) and, as entrypoint,
+the same validated ``vit-service train RECIPE --set ...`` command line the local executor runs
+(built from the recipe name and typed overrides, shell-quoted; never a user string), under
+``torchrun --standalone`` when the job asks several processes (one node: see docs/jobs.md).
+Resources come from the recipe: a GPU per process for ``device: cuda`` (and for ``auto`` when
+``ray_auto_gpus``), ``ray_cpus_per_proc`` CPUs per process. The ``runtime_env`` carries
+environment variables only (tracking URI, home, data folder, the stop grace): the nodes run the
+trainer image, which has the package installed, so no code is uploaded.
+
+Every scheduler pass reconciles every running job of the table with Ray, whichever API process
+started it (two API replicas on one database see the same cluster):
+
+- ``PENDING`` / ``RUNNING``: running (the reason says when Ray is still waiting for resources);
+- ``SUCCEEDED``: succeeded; ``STOPPED``: cancelled (after our cancel) or failed (stopped by
+  someone else); ``FAILED``: failed with Ray's message;
+- no such job on the cluster: failed, "the Ray cluster has no record of this job" (a head
+  restarted without GCS fault tolerance forgets its jobs), resumable from its last checkpoint;
+- Ray unreachable: nothing changes, the pass is retried; submissions get a 503.
+
+Logs come through Ray (``get_job_logs``): each pass appends what is new to the job's ``job.log``
+under the API's own home, so logs, progress and metric series are read exactly as for a local
+job, and the API needs no disk shared with the nodes. Cancel is ``stop_job``: Ray sends SIGTERM,
+the trainer checkpoints, and SIGKILL follows after ``jobs_cancel_grace_s``
+(``RAY_JOB_STOP_WAIT_TIME_S`` in the job's environment). A resume submits the next attempt with
+``--resume if-exists``: the trainer finds the checkpoint under the shared ``ray_home`` on
+whichever node runs it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import shlex
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from serving.jobs.manager import JobError, JobManager, _Tracked, train_command
+from serving.jobs.store import JobRecord, JobState, utcnow
+from vit_service.config import Settings
+
+log = logging.getLogger(__name__)
+
+LOST = ("the Ray cluster has no record of this job (its head restarted without GCS fault "
+        "tolerance, or the job was deleted there); resume it from its last checkpoint with "
+        "POST /v1/jobs/{id}/resume")
+PENDING_REASON = "waiting for resources on the Ray cluster"
+
+
+class RayUnavailable(JobError):
+    def __init__(self, address: str, err: Exception) -> None:
+        super().__init__(503, f"the Ray cluster at {address} is unreachable ({err}); "
+                              "nothing was submitted, try again when it is back")
+
+
+def _client_class() -> type:
+    from ray.job_submission import JobSubmissionClient
+
+    class _Client(JobSubmissionClient):
+        """The SDK's client with a timeout on every request: a head that stopped answering
+        must not freeze the scheduler or an API request (the SDK sets none)."""
+
+        timeout_s: float = 10.0
+
+        def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> Any:
+            kwargs.setdefault("timeout", self.timeout_s)
+            return super()._do_request(method, endpoint, **kwargs)
+
+    return _Client
+
+
+def submission_id(job: JobRecord) -> str:
+    """The Ray submission id of the job's current attempt: the job id, then ``<id>-r<n>`` for
+    the n-th attempt (Ray ids are single-use, and an old attempt's record stays on the
+    cluster, with its logs)."""
+    return job.id if job.attempts <= 1 else f"{job.id}-r{job.attempts}"
+
+
+def _not_found(err: Exception) -> bool:
+    return isinstance(err, RuntimeError) and "status code 404" in str(err)
+
+
+class RayJobManager(JobManager):
+    """:class:`JobManager` whose jobs run on a Ray cluster (module docstring)."""
+
+    def __init__(self, settings: Settings, **kwargs: Any) -> None:
+        super().__init__(settings, **kwargs)
+        self.address = settings.ray_address
+        # Ray queues what the cluster cannot place yet; this bounds what we hand it at once
+        self.concurrency = settings.jobs_concurrency or 16
+        self._client: Any = None
+        self._offsets: dict[str, int] = {}  # progress read so far from each job's mirror log
+        self._unreachable_since: float | None = None
+
+    # --- the Ray client -------------------------------------------------------------------------
+    def client(self) -> Any:
+        if self._client is None:
+            cls = _client_class()
+            cls.timeout_s = self.settings.ray_timeout_s
+            try:
+                self._client = cls(self.address)
+            except (OSError, RuntimeError) as e:  # ConnectionError: nothing answers there
+                raise RayUnavailable(self.address, e) from e
+        return self._client
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """``client.<name>(...)``; network failures become :class:`RayUnavailable`."""
+        try:
+            out = getattr(self.client(), name)(*args, **kwargs)
+        except OSError as e:  # requests' ConnectionError / Timeout are OSErrors
+            self._client = None
+            if self._unreachable_since is None:
+                self._unreachable_since = time.monotonic()
+                log.warning("Ray at %s unreachable: %s", self.address, e)
+            raise RayUnavailable(self.address, e) from e
+        if self._unreachable_since is not None:
+            log.info("Ray at %s reachable again after %.0fs", self.address,
+                     time.monotonic() - self._unreachable_since)
+            self._unreachable_since = None
+        return out
+
+    # --- lifecycle / API hooks --------------------------------------------------------------
+    def start(self) -> None:
+        try:
+            self._call("get_version")
+        except RayUnavailable as e:  # start anyway: the scheduler retries every pass
+            log.warning("%s", e.detail)
+        super().start()
+
+    def recover(self) -> None:
+        """Nothing to adopt by pid: every pass reconciles every running job with Ray."""
+
+    def _admit(self, recipe: str, overrides: dict[str, Any], nprocs: int) -> None:
+        self._call("get_version")  # 503 now rather than a job that cannot start
+
+    def _request_stop(self, job: JobRecord) -> None:
+        try:
+            self._call("stop_job", submission_id(job))
+        except RuntimeError as e:  # not found or already finished: the next pass settles it
+            log.info("stop_job %s: %s", job.id, e)
+
+    # --- scheduler ------------------------------------------------------------------------------
+    def tick(self) -> None:
+        with self._lock:
+            running = self.store.list(JobState.running, limit=10_000)
+            try:
+                for job in running:
+                    self._reconcile(job)
+                active = len(self.store.list(JobState.running, limit=10_000))
+                while active < self.concurrency:
+                    job = self.store.oldest_queued()
+                    if job is None or not self._launch(job):
+                        break
+                    active += 1
+            except RayUnavailable:
+                return  # logged once by _call; retried on the next pass
+
+    def _launch(self, job: JobRecord) -> bool:
+        claimed = self.store.transition(job.id, {JobState.queued}, state=JobState.running,
+                                        started_at=utcnow(), attempts=job.attempts + 1)
+        if claimed is None:
+            return True  # cancelled meanwhile, or another API process took it
+        cmd = self.command(claimed)
+        entrypoint = shlex.join(cmd)
+        sid = submission_id(claimed)
+        try:
+            self._call("submit_job", entrypoint=entrypoint, submission_id=sid,
+                       runtime_env=self.runtime_env(), **self.resources(claimed),
+                       metadata={"vit_service_job": claimed.id, "recipe": claimed.recipe})
+        except RayUnavailable:
+            self.store.transition(claimed.id, {JobState.running}, state=JobState.queued,
+                                  started_at=None, attempts=job.attempts)
+            raise
+        except (RuntimeError, ValueError) as e:
+            if "already exists" in str(e):  # submitted by us before a crash: it is on Ray
+                log.warning("job %s was already on Ray; following it", claimed.id)
+            else:
+                self.store.update(claimed.id, state=JobState.failed, finished_at=utcnow(),
+                                  reason=f"Ray refused the submission: {e}")
+                return True
+        run_dir = Path(claimed.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(claimed.log_path, "ab") as f:
+            f.write(f"# ray job {sid} at {self.address}: {entrypoint}\n".encode())
+        # progress is read from here on; an earlier attempt's lines (before resuming) are skipped
+        self._offsets[claimed.id] = claimed.log_path.stat().st_size
+        self._mirror_state(claimed, reset=True)
+        self.store.update(claimed.id, executor="ray", reason=PENDING_REASON)
+        log.info("job %s submitted to Ray at %s as %s: %s", claimed.id, self.address, sid,
+                 entrypoint)
+        return True
+
+    def command(self, job: JobRecord) -> list[str]:
+        # the trainer checks the shared run folder itself: the API cannot see the nodes' disks
+        return train_command(job, self.settings.ray_python, "if-exists" if job.resume else None)
+
+    def runtime_env(self) -> dict[str, Any]:
+        s = self.settings
+        env = {
+            "PYTHONUNBUFFERED": "1",
+            "MLFLOW_TRACKING_URI": s.ray_tracking_uri or s.resolved_tracking_uri,
+            "VIT_SERVICE_HOME": s.ray_home or str(s.home.resolve()),
+            "VIT_SERVICE_DATA_DIR": s.ray_data_dir or str(s.data_dir.resolve()),
+            "RAY_JOB_STOP_WAIT_TIME_S": str(max(1, round(s.jobs_cancel_grace_s))),
+            "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+        }
+        if s.cache_dir is not None:
+            env["VIT_SERVICE_CACHE_DIR"] = str(s.cache_dir.resolve())
+        return {"env_vars": env}
+
+    def resources(self, job: JobRecord) -> dict[str, float]:
+        from training.recipes import load_recipe
+
+        device = load_recipe(job.recipe, job.overrides).device
+        gpus = device == "cuda" or (device == "auto" and self.settings.ray_auto_gpus)
+        out = {"entrypoint_num_cpus": self.settings.ray_cpus_per_proc * job.nprocs}
+        if gpus:
+            out["entrypoint_num_gpus"] = float(job.nprocs)
+        return out
+
+    def _reconcile(self, job: JobRecord) -> None:
+        if job.executor == "local":
+            return  # started by a local-executor API process: not ours to settle
+        if job.executor is None:  # claimed; submitted by now, unless its claimer died first
+            if job.started_at and utcnow() - job.started_at < timedelta(
+                    seconds=self.settings.ray_submit_grace_s):
+                return
+        try:
+            info = self._call("get_job_info", submission_id(job))
+        except RuntimeError as e:
+            if not _not_found(e):
+                raise
+            if job.executor is None:  # never reached Ray: queue it again
+                self.store.transition(job.id, {JobState.running}, state=JobState.queued,
+                                      started_at=None, attempts=max(0, job.attempts - 1))
+                log.warning("job %s was claimed but never submitted; queued again", job.id)
+                return
+            self._progress(job)  # what the mirror holds: Ray has no logs of it any more
+            self.store.update(job.id, state=JobState.failed, finished_at=utcnow(),
+                              reason=LOST.format(id=job.id))
+            log.warning("job %s: %s", job.id, LOST.format(id=job.id))
+            return
+        if job.executor is None:
+            job = self.store.update(job.id, executor="ray")
+        self._mirror_logs(job)
+        self._progress(job)
+        status = str(getattr(info.status, "value", info.status))
+        if status in ("PENDING", "RUNNING"):
+            want = PENDING_REASON if status == "PENDING" else None
+            if job.reason in (None, PENDING_REASON) and job.reason != want:
+                self.store.update(job.id, reason=want)
+            return
+        if status not in ("SUCCEEDED", "STOPPED", "FAILED"):
+            return  # a newer state this code does not know: leave it running
+        code = getattr(info, "driver_exit_code", None)
+        if status == "SUCCEEDED":
+            state, reason, code = JobState.succeeded, None, 0 if code is None else code
+        elif status == "STOPPED" and job.reason == "cancel requested":
+            state, reason = JobState.cancelled, "cancelled"
+        elif status == "STOPPED":
+            state, reason = JobState.failed, "stopped on the Ray cluster, not through this " \
+                                             "service; resume it with POST /v1/jobs/{id}/resume"
+        else:
+            state, reason = JobState.failed, f"failed on Ray: {info.message}"
+        self.store.update(job.id, state=state, finished_at=utcnow(), exit_code=code,
+                          reason=reason.replace("{id}", job.id) if reason else None)
+        self._offsets.pop(job.id, None)
+        log.info("job %s %s on Ray (%s)", job.id, state.value, info.message)
+
+    # --- logs and progress, mirrored from Ray -----------------------------------------------
+    def _mirror_state(self, job: JobRecord, reset: bool = False) -> dict[str, Any]:
+        path = Path(job.run_dir) / "ray-mirror.json"
+        state = {"attempt": job.attempts, "bytes": 0}
+        if not reset:
+            try:
+                state = json.loads(path.read_text())
+            except (OSError, ValueError):
+                pass
+        if reset or state.get("attempt") != job.attempts:
+            state = {"attempt": job.attempts, "bytes": 0}
+            path.write_text(json.dumps(state))
+        return state
+
+    def _mirror_logs(self, job: JobRecord) -> None:
+        """Append what Ray has of this attempt's log beyond what the mirror holds."""
+        text = self._call("get_job_logs", submission_id(job))
+        data = text.encode("utf-8", "replace")
+        run_dir = Path(job.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "ray-mirror.lock", "w") as lock:  # two API processes, one home
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            state = self._mirror_state(job)
+            have = int(state.get("bytes", 0))
+            if len(data) <= have:
+                return
+            with open(job.log_path, "ab") as f:
+                f.write(data[have:])
+            state["bytes"] = len(data)
+            (run_dir / "ray-mirror.json").write_text(json.dumps(state))
+
+    def _progress(self, job: JobRecord) -> None:
+        t = _Tracked(None, 0, None, offset=self._offsets.get(job.id, 0))
+        self._read_progress(job.id, t)
+        self._offsets[job.id] = t.offset

@@ -1,0 +1,109 @@
+"""RayJobManager against a real Ray head (the session's, tests/serving/jobs/ray_head.py) and
+against an address where nothing answers. The full submit / cancel / resume / restart scenarios
+through the API run in test_jobs_api.py with ``executor=ray``."""
+
+from __future__ import annotations
+
+import shlex
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from serving.jobs import JobError, JobState, create_job_manager
+from serving.jobs.ray_jobs import LOST, RayJobManager
+from serving.jobs.store import utcnow
+from tests.serving.jobs.ray_head import RayHead
+from vit_service.config import Settings
+
+
+def _dead_address() -> str:
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _settings(tmp_path: Path, address: str, **kw) -> Settings:
+    return Settings(home=tmp_path / "home", data_dir=tmp_path / "data", jobs_executor="ray",
+                    ray_address=address, ray_python=sys.executable, ray_timeout_s=5, **kw)
+
+
+def test_the_executor_setting_picks_the_manager(tmp_path: Path) -> None:
+    assert type(create_job_manager(Settings(home=tmp_path))).__name__ == "JobManager"
+    assert isinstance(create_job_manager(_settings(tmp_path, _dead_address())), RayJobManager)
+
+
+def test_unreachable_ray_is_503_and_loses_nothing(tmp_path: Path) -> None:
+    mgr = RayJobManager(_settings(tmp_path, _dead_address()))
+    kept = mgr.store.create(name="kept", recipe="cifar10-smoke", overrides={}, nprocs=1,
+                            runs_root=mgr.runs_root)
+    mgr.store.update(kept.id, state=JobState.running, executor="ray", started_at=utcnow())
+    with pytest.raises(JobError) as e:
+        mgr.submit("cifar10-smoke", {"epochs": 1})
+    assert e.value.status == 503 and "unreachable" in str(e.value.detail)
+    with pytest.raises(JobError) as e:
+        mgr.submit("no-such-recipe", {})  # a bad config is still a 422 first
+    assert e.value.status == 422
+    with pytest.raises(JobError) as e:
+        mgr.cancel(kept.id)
+    assert e.value.status == 503
+    mgr.tick()  # a pass with the head away changes nothing
+    assert [j.id for j in mgr.list()] == [kept.id]
+    after = mgr.get(kept.id)
+    assert after.state == JobState.running and after.reason is None
+
+
+def test_a_head_that_forgot_the_job_fails_it_resumably(tmp_path: Path, ray_head: RayHead) -> None:
+    mgr = RayJobManager(_settings(tmp_path, ray_head.address))
+    job = mgr.store.create(name="lost", recipe="cifar10-smoke", overrides={}, nprocs=1,
+                           runs_root=mgr.runs_root)
+    mgr.store.update(job.id, state=JobState.running, executor="ray", started_at=utcnow(),
+                     attempts=1)
+    mgr.tick()
+    lost = mgr.get(job.id)
+    assert lost.state == JobState.failed and lost.reason == LOST.format(id=job.id)
+    assert mgr.resume(job.id).state == JobState.queued
+
+
+def test_a_claim_that_never_reached_ray_is_queued_again(tmp_path: Path,
+                                                        ray_head: RayHead) -> None:
+    """Its API process died between claiming and submitting: after the grace it is queued
+    again (here a local job holds the one slot, so the pass does not launch it)."""
+    mgr = RayJobManager(_settings(tmp_path, ray_head.address, jobs_concurrency=1))
+    busy = mgr.store.create(name="busy", recipe="cifar10-smoke", overrides={}, nprocs=1,
+                            runs_root=mgr.runs_root)
+    mgr.store.update(busy.id, state=JobState.running, executor="local", started_at=utcnow())
+    fresh = mgr.store.create(name="fresh", recipe="cifar10-smoke", overrides={}, nprocs=1,
+                             runs_root=mgr.runs_root)
+    mgr.store.update(fresh.id, state=JobState.running, started_at=utcnow(), attempts=1)
+    old = mgr.store.create(name="old", recipe="cifar10-smoke", overrides={}, nprocs=1,
+                           runs_root=mgr.runs_root)
+    mgr.store.update(old.id, state=JobState.running, attempts=1,
+                     started_at=utcnow() - timedelta(seconds=120))
+    mgr.tick()
+    assert mgr.get(old.id).state == JobState.queued and mgr.get(old.id).attempts == 0
+    assert mgr.get(fresh.id).state == JobState.running  # inside the grace: being submitted
+    assert mgr.get(busy.id).state == JobState.running  # a local job: not Ray's to settle
+
+
+def test_entrypoint_and_resources_come_from_the_recipe(tmp_path: Path) -> None:
+    mgr = RayJobManager(_settings(tmp_path, _dead_address(), ray_cpus_per_proc=2))
+    job = mgr.store.create(name="x", recipe="cifar10-vit", overrides={"epochs": 3}, nprocs=2,
+                           runs_root=mgr.runs_root)
+    cmd = mgr.command(job)
+    assert cmd[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc_per_node=2", "-m"]
+    assert cmd[6:9] == ["vit_service.cli", "train", "cifar10-vit"]
+    assert shlex.split(shlex.join(cmd)) == cmd  # what Ray's shell runs is exactly this
+    assert mgr.resources(job) == {"entrypoint_num_cpus": 4.0, "entrypoint_num_gpus": 2.0}
+    cpu = mgr.store.create(name="y", recipe="cifar10-vit-cpu", overrides={}, nprocs=1,
+                           runs_root=mgr.runs_root)
+    assert mgr.resources(cpu) == {"entrypoint_num_cpus": 2.0}
+    resumed = mgr.store.update(cpu.id, resume=1)
+    assert mgr.command(resumed)[-4:] == ["--run-name", f"job-{cpu.id}", "--resume", "if-exists"]
+    env = mgr.runtime_env()["env_vars"]
+    assert set(mgr.runtime_env()) == {"env_vars"}  # no code upload: the nodes have the package
+    assert env["VIT_SERVICE_HOME"] == str(mgr.settings.home.resolve())
+    assert env["RAY_JOB_STOP_WAIT_TIME_S"] == "30"  # the cancel grace: SIGTERM, then SIGKILL

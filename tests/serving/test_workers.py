@@ -1,0 +1,117 @@
+"""``vit-service serve --workers N``: one leader per home (job scheduler, registry poll), and
+every worker serving the same model version after a reload (serving/workers.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from mlflow import MlflowClient
+
+from serving.workers import Leadership
+from tests.serving.procs import KEY, Server
+from vit_service import tracking
+
+HOLD = "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); " \
+       "print('held', flush=True); time.sleep(120)"
+
+
+def test_leadership_is_exclusive_and_passes_on_when_the_holder_dies(tmp_path: Path) -> None:
+    path = tmp_path / "serving.lock"
+    a, b = Leadership(path), Leadership(path)
+    assert a.try_acquire() and a.is_leader
+    assert not b.try_acquire() and not b.is_leader
+    a.release()
+    assert b.try_acquire()
+    b.release()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        c = Leadership(path)
+        assert not c.try_acquire()
+        holder.kill()  # however the leader dies, the kernel drops its lock
+        holder.wait(10)
+        assert c.try_acquire()
+    finally:
+        holder.kill()
+    assert Leadership(None).is_leader  # a single process always leads
+
+
+def _health(server: Server) -> dict:
+    return httpx.get(server.url + "/healthz", timeout=10).json()
+
+
+def _sample(server: Server, n: int) -> dict[int, dict]:
+    """GET /readyz and /healthz on fresh connections: the workers that answered, by pid."""
+    seen: dict[int, dict] = {}
+    for _ in range(n):
+        h = _health(server)
+        seen[h["pid"]] = {"leader": h["leader"],
+                          "loaded": httpx.get(server.url + "/readyz", timeout=10).json()["loaded"]}
+    return seen
+
+
+def test_two_workers_one_leader_one_version(registry, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("VIT_SERVICE_", "MLFLOW_", "PROMETHEUS_"))}
+    env.update({"VIT_SERVICE_HOME": str(home), "MLFLOW_TRACKING_URI": registry.uri,
+                "VIT_SERVICE_API_KEY": KEY, "VIT_SERVICE_DEFAULT_IMAGE_MODEL": "reload-vit",
+                "VIT_SERVICE_MODELS": json.dumps({"reload-vit": "models:/reload-vit@champion"}),
+                "VIT_SERVICE_DATA_DIR": str(tmp_path / "data"), "LOG_LEVEL": "WARNING"})
+    client = MlflowClient(registry.uri, registry.uri)
+    server = Server(env, home, args=("--workers", "2"))
+    server.start()
+    try:
+        deadline = time.monotonic() + 60  # both workers up (each loads the model)
+        seen: dict[int, dict] = {}
+        while time.monotonic() < deadline and len(seen) < 2:
+            seen.update(_sample(server, 10))
+        assert len(seen) == 2, seen
+        assert sorted(s["leader"] for s in seen.values()) == [False, True]
+        assert {s["loaded"]["reload-vit"] for s in seen.values()} == {"1"}
+
+        client.set_registered_model_alias("reload-vit", tracking.CHAMPION, "2")
+        r = server.post("/v1/models/reload-vit/reload")  # lands on one of them
+        assert r.status_code == 200 and r.json()["model"]["version"] == "2", r.text
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            now = _sample(server, 12)
+            if {s["loaded"]["reload-vit"] for s in now.values()} == {"2"} and len(now) == 2:
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"workers disagree on the version: {now}")
+
+        # /metrics adds up the workers: every /healthz above is counted, whoever answered
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        total = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("vit_service_http_requests_total{")
+                    and 'route="/healthz"' in line)
+        assert total >= 20, total
+        assert 'vit_service_model_loaded{model="reload-vit"} 1.0' in text
+
+        leader = next(pid for pid, s in seen.items() if s["leader"])
+        os.kill(leader, signal.SIGKILL)  # the leader dies; another process takes over
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                now = _sample(server, 6)
+            except httpx.HTTPError:
+                continue
+            if any(s["leader"] for pid, s in now.items() if pid != leader):
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("no new leader after the leader was killed")
+    finally:
+        client.set_registered_model_alias("reload-vit", tracking.CHAMPION, "1")
+        server.stop()
