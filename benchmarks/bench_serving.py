@@ -1,30 +1,32 @@
-"""Latency and throughput of our API versus ``mlflow models serve``, same model, same machine.
+"""Throughput and tail latency of our API versus ``mlflow models serve``, same model, one run.
 
-A model is registered in a temporary MLflow (SQLite) — by default a freshly initialised
-``vit_nano_patch4_32`` bundle (6x128, 8x8 patch grid) — or ``--model-uri`` points at an existing
-registered one (with ``MLFLOW_TRACKING_URI`` / ``--tracking-uri``). Both servers are started as
-real processes on localhost, side by side:
+The load comes from ``hey`` (a compiled load generator: ``apt-get install hey``, which
+``make setup`` does), so that the client is not what is measured. Every server is a real
+process on localhost, all started first and then measured in alternation (``--rounds``), so
+that whatever else the machine does hits them alike:
 
-* ours: ``vit-service serve`` (uvicorn, micro-batching), raw ``image/png`` bodies, ``top_k=1``,
-  once with ``attention=none`` and once with ``attention=rollout``;
-* MLflow's: ``mlflow models serve -m models:/... --env-manager local`` (the pyfunc wrapper
-  ``vit_service.tracking.BundlePyfunc``), JSON ``dataframe_split`` with a base64 ``image``.
+* ours: ``vit-service serve --workers W`` for each W of ``--workers`` (micro-batching), raw
+  ``image/jpeg`` bodies (one 32x32 JPEG), ``top_k=1``, with ``attention=none`` and with
+  ``attention=rollout``;
+* MLflow's: ``mlflow models serve --workers W`` for each W of ``--mlflow-workers`` (the pyfunc
+  wrapper ``vit_service.tracking.BundlePyfunc``; JSON ``dataframe_split`` with a base64
+  ``image``; no attention at all).
 
-For each concurrency level (1, 8, 32 by default) a fixed number of single-image requests is sent
-by an asyncio ``httpx`` client (``c`` requests in flight), after a warm-up; reported: p50/p95/p99
-latency and requests/s. The load generator shares the CPU with the servers, so absolute
-numbers are for this machine only; the servers are measured one at a time.
+With ``--text-bundle`` the same is done for a text model with a 200-word review. Also measured
+in the same run: the model's own batched forward (batch 32, ``torch`` threads = cores, no HTTP),
+the limit any server can reach; the per-stage time of our server from its Prometheus
+histograms (``vit_service_stage_seconds``); its resident memory before and after each level.
 
-    python benchmarks/bench_serving.py                         # ~3 minutes on 2 cores
-    python benchmarks/bench_serving.py --requests 100 --concurrency 1 8 --out bench.json
-    python benchmarks/bench_serving.py --model-uri models:/cifar10-vit@champion
+    python benchmarks/bench_serving.py                             # fresh vit_nano, ~6 min
+    python benchmarks/bench_serving.py --bundle path/to/bundle     # a trained model
+    python benchmarks/bench_serving.py --seconds 3 --concurrency 8 --workers 2 --mlflow-workers 1
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import base64
+import csv
 import io
 import json
 import os
@@ -44,6 +46,10 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+REVIEW = " ".join(  # ~200 words, a review-like mix
+    ("this film was a pleasant surprise the cast is strong the story moves along and the "
+     "ending works even if the middle drags a little at times i would watch it again").split()
+    * 7)[:1200]
 
 
 def free_port() -> int:
@@ -52,43 +58,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def register_fresh_model(home: Path, preset: str) -> str:
-    """A freshly initialised bundle registered as ``bench-vit@champion``; returns the URI."""
+def register(home: Path, bundle: Path | None, preset: str, name: str) -> tuple[str, Path]:
+    """Register ``bundle`` (or a fresh ``preset`` image model) as ``name@champion`` in a
+    temporary MLflow; returns (models:/ URI, bundle folder)."""
     import mlflow
 
     from vit_service import tracking
-    from vit_service.bundle import CIFAR10_MEAN, CIFAR10_STD, BundleMeta, save_bundle
+    from vit_service.bundle import CIFAR10_MEAN, CIFAR10_STD, BundleMeta, load_bundle, save_bundle
     from vit_service.config import Settings
     from vit_service.models import config_to_dict, create_model
 
     settings = Settings(home=home, tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
     tracking.configure(settings=settings)
     exp = tracking.ensure_experiment("bench-serving", settings=settings)
-    model = create_model(preset).eval()
-    c = model.config
-    meta = BundleMeta(
-        task="image", model_config=config_to_dict(c),
-        class_names=[f"class_{i}" for i in range(c.num_classes)],
-        preprocess={"image_size": c.img_size, "mean": list(CIFAR10_MEAN),
-                    "std": list(CIFAR10_STD)},
-        extra={"note": "untrained, for benchmarking"},
-    )
-    bundle = save_bundle(home / "bundle", model, meta)
-    with mlflow.start_run(experiment_id=exp, run_name=f"bench-{preset}"):
-        version = tracking.log_bundle(bundle, "image", "bench-vit")
-    mlflow.MlflowClient().set_registered_model_alias("bench-vit", tracking.CHAMPION, version)
-    return "models:/bench-vit@champion"
+    if bundle is None:
+        model = create_model(preset).eval()
+        c = model.config
+        meta = BundleMeta(
+            task="image", model_config=config_to_dict(c),
+            class_names=[f"class_{i}" for i in range(c.num_classes)],
+            preprocess={"image_size": c.img_size, "mean": list(CIFAR10_MEAN),
+                        "std": list(CIFAR10_STD)},
+            extra={"note": "untrained, for benchmarking"})
+        bundle = save_bundle(home / f"bundle-{name}", model, meta)
+    task = load_bundle(bundle).meta.task
+    with mlflow.start_run(experiment_id=exp, run_name=f"bench-{name}"):
+        version = tracking.log_bundle(bundle, task, name)
+    mlflow.MlflowClient().set_registered_model_alias(name, tracking.CHAMPION, version)
+    return f"models:/{name}@champion", bundle
 
 
 class Server:
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], url: str, ready: str,
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], port: int, ready: str,
                  log: Path) -> None:
-        self.name, self.url, self.ready, self.log = name, url, ready, log
+        self.name, self.url, self.ready, self.log = name, f"http://127.0.0.1:{port}", ready, log
         with log.open("wb") as out:
             self.proc = subprocess.Popen(cmd, env=env, cwd=log.parent, stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True)
 
-    def wait_ready(self, timeout: float = 180) -> float:
+    def wait_ready(self, timeout: float = 240) -> float:
         start = time.monotonic()
         while time.monotonic() - start < timeout:
             if self.proc.poll() is not None:
@@ -101,9 +109,19 @@ class Server:
             time.sleep(0.5)
         raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.log.read_text()}")
 
+    def rss_mb(self) -> float:
+        """Resident memory of the server and its worker processes."""
+        import psutil
+
+        try:
+            p = psutil.Process(self.proc.pid)
+            return sum(q.memory_info().rss for q in [p, *p.children(recursive=True)]) / 2**20
+        except psutil.Error:
+            return float("nan")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)  # its own session: uvicorn workers too
+            os.killpg(self.proc.pid, 15)  # its own session: the workers too
             try:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
@@ -111,224 +129,284 @@ class Server:
                 self.proc.wait()
 
 
-async def load(url: str, make_request: dict[str, Any], n: int, concurrency: int,
-               warmup: int) -> tuple[list[float], float, int]:
-    """``n`` identical requests, ``concurrency`` in flight: (latencies s, wall s, errors)."""
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as client:
-        for _ in range(warmup):
-            r = await client.post(**make_request)
-            r.raise_for_status()
-        latencies: list[float] = []
-        errors = 0
-        remaining = n
-
-        async def worker() -> None:
-            nonlocal remaining, errors
-            while remaining > 0:
-                remaining -= 1
-                t0 = time.perf_counter()
-                r = await client.post(**make_request)
-                latencies.append(time.perf_counter() - t0)
-                if r.status_code != 200:
-                    errors += 1
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - start
-    return latencies, wall, errors
+def hey(url: str, body: Path, content_type: str, concurrency: int, seconds: float
+        ) -> tuple[list[float], int, float]:
+    """``hey -z`` against ``url``: (latencies in s of the 200s, non-200 count, wall s)."""
+    exe = shutil.which("hey")
+    if exe is None:
+        raise SystemExit("hey not found: apt-get install hey (make setup does)")
+    cmd = [exe, "-z", f"{seconds}s", "-c", str(concurrency), "-m", "POST", "-T", content_type,
+           "-D", str(body), "-o", "csv", url]
+    start = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    wall = time.perf_counter() - start
+    lat, errors = [], 0
+    for row in csv.DictReader(io.StringIO(out)):
+        if row.get("status-code") == "200":
+            lat.append(float(row["response-time"]))
+        else:
+            errors += 1
+    return lat, errors, min(wall, seconds) if lat else wall
 
 
-def summarise(latencies: list[float], wall: float, errors: int, c: int) -> dict[str, Any]:
-    ms = np.array(latencies) * 1000
-    return {
-        "requests": len(latencies), "errors": errors, "concurrency": c,
-        "p50_ms": float(np.percentile(ms, 50)), "p95_ms": float(np.percentile(ms, 95)),
-        "p99_ms": float(np.percentile(ms, 99)), "mean_ms": float(ms.mean()),
-        "req_per_s": len(latencies) / wall, "wall_s": wall,
-    }
-
-
-def batch_counts(url: str) -> tuple[float, float]:
-    """(batches, inputs) so far, from our server's Prometheus metrics."""
-    batches = inputs = 0.0
+def stage_totals(url: str) -> dict[str, tuple[float, float]]:
+    """``{(stage): (sum s, count)}`` and the batch size sum/count, from our /metrics."""
+    out: dict[str, tuple[float, float]] = {}
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("vit_service_batch_size_count"):
-            batches += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("vit_service_batch_size_sum"):
-            inputs += float(line.rsplit(" ", 1)[1])
-    return batches, inputs
+        for kind in ("sum", "count"):
+            if line.startswith(f"vit_service_stage_seconds_{kind}{{"):
+                stage = line.split('stage="', 1)[1].split('"', 1)[0]
+                key = stage
+            elif line.startswith(f"vit_service_batch_size_{kind}{{"):
+                key = "batch"
+            else:
+                continue
+            s, c = out.get(key, (0.0, 0.0))
+            v = float(line.rsplit(" ", 1)[1])
+            out[key] = (s + v, c) if kind == "sum" else (s, c + v)
+    return out
 
 
-def png_image(size: int, seed: int = 0) -> bytes:
+def forward_limit(bundle: Path, seconds: float = 4.0) -> float:
+    """The model's own throughput: batch-32 forwards, attention off, all cores, no HTTP."""
+    import torch
+
+    from vit_service.bundle import load_bundle
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    b = load_bundle(bundle)
+    m = b.model.eval()
+    if b.meta.task == "image":
+        size = int(b.meta.preprocess["image_size"])
+        x = torch.randn(32, 3, size, size)
+        call = lambda: m(x)  # noqa: E731
+    else:
+        enc = b.tokenizer.encode_batch([REVIEW] * 32, int(b.meta.preprocess["max_len"]),
+                                       b.meta.preprocess.get("truncation", "head"))
+        call = lambda: m(enc.input_ids, enc.attention_mask)  # noqa: E731
+    with torch.inference_mode():
+        call()
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            call()
+            n += 32
+    return n / (time.perf_counter() - start)
+
+
+def jpeg_image(size: int, seed: int = 0) -> bytes:
     arr = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
     buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
+    Image.fromarray(arr).save(buf, format="JPEG", quality=90)
     return buf.getvalue()
+
+
+def summarise(lat: list[float], errors: int, wall: float) -> dict[str, Any]:
+    ms = np.array(lat) * 1000 if lat else np.array([np.nan])
+    return {"requests": len(lat), "errors": errors, "req_per_s": len(lat) / wall,
+            "p50_ms": float(np.percentile(ms, 50)), "p95_ms": float(np.percentile(ms, 95)),
+            "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()),
+            "over_1s": int((ms > 1000).sum())}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-uri", default=None, help="existing registered model (models:/...)")
-    p.add_argument("--tracking-uri", default=None, help="with --model-uri (default: env)")
-    p.add_argument("--preset", default="vit_nano_patch4_32", help="fresh model's preset")
+    p.add_argument("--bundle", type=Path, default=None, help="image model bundle (default: a "
+                   "fresh --preset)")
+    p.add_argument("--preset", default="vit_nano_patch4_32")
+    p.add_argument("--text-bundle", type=Path, default=None, help="also a text model")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--requests", type=int, default=None,
-                   help="requests per level (default: 150 at c=1, 300 at c=8, 600 at c>=32)")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=3, help="alternate the targets this many times")
-    p.add_argument("--image-size", type=int, default=32, help="side of the PNG sent")
-    p.add_argument("--skip-mlflow", action="store_true", help="only measure our server")
-    p.add_argument("--max-batch-size", type=int, default=None)
-    p.add_argument("--max-wait-ms", type=float, default=None)
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="ours: --workers")
+    p.add_argument("--mlflow-workers", type=int, nargs="*", default=[1, 2])
+    p.add_argument("--seconds", type=float, default=5.0, help="per target, level and round")
+    p.add_argument("--rounds", type=int, default=2, help="alternate the targets this often")
+    p.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
+                   help="afterwards, load ours (largest --workers, rollout, c=32) this long "
+                   "and sample its resident memory every 10 s: does it settle or grow?")
     p.add_argument("--out", type=Path, default=ROOT / ".vit-service" / "bench" /
                    "bench_serving.json")
     args = p.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VIT_SERVICE_")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("VIT_SERVICE_", "PROMETHEUS_"))}
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"  # mlflow serve runs `uvicorn`
     env["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
-    if args.model_uri:
-        uri = args.model_uri
-        tracking_uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-        if not tracking_uri:
-            p.error("--model-uri needs --tracking-uri or MLFLOW_TRACKING_URI")
-    else:
-        t0 = time.perf_counter()
-        uri = register_fresh_model(tmp, args.preset)
-        tracking_uri = f"sqlite:///{tmp / 'mlflow.db'}"
-        print(f"registered a fresh {args.preset} as {uri} in {time.perf_counter() - t0:.1f}s",
-              file=sys.stderr)
-    env["MLFLOW_TRACKING_URI"] = tracking_uri
-    env["VIT_SERVICE_HOME"] = str(tmp / "home")
+    uri, bundle = register(tmp, args.bundle, args.preset, "bench-vit")
+    models = {"bench-vit": uri}
+    text_uri = None
+    if args.text_bundle is not None:
+        text_uri, _ = register(tmp, args.text_bundle, args.preset, "bench-text")
+        models["bench-text"] = text_uri
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp / 'mlflow.db'}"
 
-    ours_port, mlflow_port = free_port(), free_port()
-    serve_cmd = [str(BIN / "vit-service"), "serve", "--host", "127.0.0.1", "--port",
-                 str(ours_port), "--reload-interval", "0", "--model", f"bench={uri}",
-                 "--log-level", "warning"]
-    if args.max_batch_size:
-        serve_cmd += ["--max-batch-size", str(args.max_batch_size)]
-    if args.max_wait_ms is not None:
-        serve_cmd += ["--max-wait-ms", str(args.max_wait_ms)]
-    servers = [Server("ours", serve_cmd, env, f"http://127.0.0.1:{ours_port}", "/readyz",
-                      tmp / "ours.log")]
-    if not args.skip_mlflow:
-        servers.append(Server(
-            "mlflow", [str(BIN / "mlflow"), "models", "serve", "-m", uri, "--env-manager",
-                       "local", "--host", "127.0.0.1", "-p", str(mlflow_port)],
-            env, f"http://127.0.0.1:{mlflow_port}", "/ping", tmp / "mlflow.log"))
+    img = tmp / "image.jpg"
+    img.write_bytes(jpeg_image(32))
+    img_json = tmp / "image.json"
+    img_json.write_text(json.dumps({"dataframe_split": {
+        "columns": ["image"], "data": [[base64.b64encode(img.read_bytes()).decode()]]}}))
+    text_bodies = {}
+    for att in ("none", "rollout"):  # the text route takes its options in the JSON body
+        text_bodies[att] = tmp / f"text-{att}.json"
+        text_bodies[att].write_text(json.dumps({"text": REVIEW, "model": "bench-text",
+                                                "top_k": 1, "attention": att}))
+    text_mlflow = tmp / "text-mlflow.json"
+    text_mlflow.write_text(json.dumps({"dataframe_split": {"columns": ["text"],
+                                                           "data": [[REVIEW]]}}))
+
+    servers: dict[str, Server] = {}
+    for w in args.workers:
+        port = free_port()
+        cmd = [str(BIN / "vit-service"), "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--reload-interval", "0", "--workers", str(w), "--log-level", "warning"]
+        for name, u in models.items():
+            cmd += ["--model", f"{name}={u}"]
+        e = {**env, "VIT_SERVICE_HOME": str(tmp / f"home-{w}")}
+        servers[f"ours-{w}"] = Server(f"ours --workers {w}", cmd, e, port, "/readyz",
+                                      tmp / f"ours-{w}.log")
+    for task_uri, task in ((uri, "image"), (text_uri, "text")):
+        for w in args.mlflow_workers if task_uri else []:
+            port = free_port()
+            cmd = [str(BIN / "mlflow"), "models", "serve", "-m", task_uri, "--env-manager",
+                   "local", "--host", "127.0.0.1", "-p", str(port), "--workers", str(w)]
+            servers[f"mlflow-{task}-{w}"] = Server(f"mlflow {task} --workers {w}", cmd, env,
+                                                   port, "/ping", tmp / f"mlflow-{task}-{w}.log")
+    targets: list[tuple[str, str, str, Path, str]] = []  # (label, server, path, body, type)
+    for task, ctype in (("image", "image/jpeg"), ("text", "application/json")):
+        if task == "text" and text_uri is None:
+            continue
+        for w in args.workers:
+            for att in ("none", "rollout"):
+                if task == "image":
+                    path, body = f"/v1/predict/image?model=bench-vit&top_k=1&attention={att}", img
+                else:
+                    path, body = "/v1/predict/text", text_bodies[att]
+                targets.append((f"{task} ours w={w} attention={att}", f"ours-{w}", path, body,
+                                ctype))
+        for w in args.mlflow_workers:
+            targets.append((f"{task} mlflow serve w={w}", f"mlflow-{task}-{w}", "/invocations",
+                            img_json if task == "image" else text_mlflow, "application/json"))
+        # (mlflow serve gets the same image / review, in its dataframe_split JSON)
+
     results: list[dict[str, Any]] = []
+    stages: dict[str, dict[str, float]] = {}
     load_before = os.getloadavg()
     try:
-        for s in servers:
+        for s in servers.values():
             print(f"{s.name} ready in {s.wait_ready():.1f}s", file=sys.stderr)
-        img = png_image(args.image_size)
-        b64 = base64.b64encode(img).decode()
-        targets = [
-            ("ours attention=none", servers[0], {
-                "url": "/v1/predict/image", "content": img,
-                "params": {"model": "bench", "attention": "none", "top_k": 1},
-                "headers": {"content-type": "image/png"}}),
-            ("ours attention=rollout", servers[0], {
-                "url": "/v1/predict/image", "content": img,
-                "params": {"model": "bench", "attention": "rollout", "top_k": 1},
-                "headers": {"content-type": "image/png"}}),
-        ]
-        if not args.skip_mlflow:
-            targets.append(("mlflow models serve", servers[1], {
-                "url": "/invocations",
-                "json": {"dataframe_split": {"columns": ["image"], "data": [[b64]]}}}))
-        # sanity: each answers, and ours and mlflow's agree on the class
-        answers = {}
-        for name, server, req in targets:
-            r = httpx.post(server.url + req["url"], **{k: v for k, v in req.items()
-                                                       if k != "url"}, timeout=60)
-            r.raise_for_status()
-            body = r.json()
-            answers[name] = (body["results"][0]["predictions"][0]["index"] if "results" in body
-                             else body["predictions"][0]["index"])
-        if len(set(answers.values())) != 1:
-            print(f"warning: servers disagree on the class: {answers}", file=sys.stderr)
+        for label, server, path, body, ctype in targets:  # warm-up, and every answer is a 200
+            lat, err, _ = hey(servers[server].url + path, body, ctype, 2, 1.0)
+            if err or not lat:
+                raise SystemExit(f"{label}: {err} errors in the warm-up")
+        limits = {"image": forward_limit(bundle)}
+        if args.text_bundle is not None:
+            limits["text"] = forward_limit(args.text_bundle)
+        print(f"model forward limits (batch 32, no HTTP): {limits}", file=sys.stderr)
         for c in args.concurrency:
-            before = batch_counts(servers[0].url)
-            n = args.requests or (150 if c == 1 else 300 if c < 32 else 600)
-            # rounds alternate the targets, so load from other processes hits them alike
-            acc: dict[str, tuple[list[float], float, int]] = {t[0]: ([], 0.0, 0) for t in targets}
-            for rnd in range(args.rounds):
-                chunk = n // args.rounds + (1 if rnd < n % args.rounds else 0)
-                for name, server, req in targets:
-                    lat, wall, err = asyncio.run(load(server.url, req, chunk, c,
-                                                      args.warmup if rnd == 0 else 2))
-                    prev = acc[name]
-                    acc[name] = (prev[0] + lat, prev[1] + wall, prev[2] + err)
-            after = batch_counts(servers[0].url)
-            n_batches, n_inputs = after[0] - before[0], after[1] - before[1]
-            for name, _, _ in targets:
-                res = summarise(*acc[name], c)
-                res["target"] = name
-                if name.startswith("ours"):  # both of our targets together, warm-up included
-                    res["our_mean_batch_size"] = n_inputs / max(n_batches, 1)
-                results.append(res)
-                print(f"  {name:24s} c={c:<3d} p50={res['p50_ms']:7.1f}ms "
-                      f"p95={res['p95_ms']:7.1f}ms p99={res['p99_ms']:7.1f}ms "
-                      f"{res['req_per_s']:7.1f} req/s  errors={res['errors']}", file=sys.stderr)
-        batch_stats = httpx.get(servers[0].url + "/metrics").text
+            acc: dict[str, tuple[list[float], int, float]] = {t[0]: ([], 0, 0.0) for t in targets}
+            rss_before = {k: s.rss_mb() for k, s in servers.items() if k.startswith("ours")}
+            per_target_stages: dict[str, dict[str, float]] = {}
+            for _ in range(args.rounds):
+                for label, server, path, body, ctype in targets:
+                    t0 = stage_totals(servers[server].url) if server.startswith("ours") else {}
+                    lat, err, wall = hey(servers[server].url + path, body, ctype, c,
+                                         args.seconds)
+                    if server.startswith("ours"):
+                        t1 = stage_totals(servers[server].url)
+                        d = per_target_stages.setdefault(label, {})
+                        for k, (s1, n1) in t1.items():
+                            s0, n0 = t0.get(k, (0.0, 0.0))
+                            d[k + "_s"] = d.get(k + "_s", 0.0) + s1 - s0
+                            d[k + "_n"] = d.get(k + "_n", 0.0) + n1 - n0
+                    prev = acc[label]
+                    acc[label] = (prev[0] + lat, prev[1] + err, prev[2] + wall)
+            for label, _server, *_ in targets:
+                r = summarise(*acc[label])
+                r.update(target=label, concurrency=c)
+                task = label.split()[0]
+                r["of_forward_limit"] = r["req_per_s"] / limits[task]
+                if label in per_target_stages:
+                    d = per_target_stages[label]
+                    r["mean_batch"] = d.get("batch_s", 0) / max(d.get("batch_n", 0), 1)
+                    stages[f"{label} c={c}"] = {
+                        k[:-2]: 1000 * d[k] / max(d[k[:-2] + "_n"], 1)
+                        for k in d if k.endswith("_s") and k != "batch_s"}
+                results.append(r)
+                print(f"  {label:36s} c={c:<3d} p50={r['p50_ms']:7.1f} p95={r['p95_ms']:7.1f} "
+                      f"p99={r['p99_ms']:7.1f} max={r['max_ms']:7.1f} ms "
+                      f"{r['req_per_s']:7.1f} req/s err={r['errors']}", file=sys.stderr)
+            for k, mb in rss_before.items():
+                print(f"  {k} RSS {mb:.0f} -> {servers[k].rss_mb():.0f} MB", file=sys.stderr)
+                results.append({"target": f"{k} rss_mb", "concurrency": c, "before": mb,
+                                 "after": servers[k].rss_mb()})
+        soak: list[tuple[float, float, float]] = []  # (s since start, RSS MB, req/s)
+        if args.soak > 0:
+            label, server, path, body, ctype = next(
+                t for t in targets if t[0] == f"image ours w={max(args.workers)} "
+                "attention=rollout")
+            start = time.monotonic()
+            while time.monotonic() - start < args.soak:
+                lat, _, wall = hey(servers[server].url + path, body, ctype, 32, 10.0)
+                soak.append((time.monotonic() - start, servers[server].rss_mb(),
+                             len(lat) / wall))
+                print(f"  soak {soak[-1][0]:5.0f}s RSS {soak[-1][1]:.0f} MB "
+                      f"{soak[-1][2]:.0f} req/s", file=sys.stderr)
     finally:
-        for s in servers:
+        for s in servers.values():
             s.stop()
 
     # --- report ---------------------------------------------------------------------------------
-    header = (f"{'target':24s} {'c':>3s} {'p50 ms':>8s} {'p95 ms':>8s} {'p99 ms':>8s} "
-              f"{'req/s':>8s} {'errors':>6s} {'batch':>6s}")
+    header = (f"{'target':36s} {'c':>3s} {'p50':>7s} {'p95':>7s} {'p99':>7s} {'max':>7s} "
+              f"{'req/s':>7s} {'batch':>5s} {'limit':>6s} {'err':>4s}")
     lines = [header, "-" * len(header)]
     for r in results:
-        lines.append(f"{r['target']:24s} {r['concurrency']:>3d} {r['p50_ms']:8.1f} "
-                     f"{r['p95_ms']:8.1f} {r['p99_ms']:8.1f} {r['req_per_s']:8.1f} "
-                     f"{r['errors']:>6d} "
-                     + (f"{r['our_mean_batch_size']:6.1f}" if "our_mean_batch_size" in r
-                        else f"{'-':>6s}"))
-    overhead = []
-    for c in args.concurrency:
-        by = {r["target"]: r for r in results if r["concurrency"] == c}
-        none, roll = by["ours attention=none"], by["ours attention=rollout"]
-        row = {"concurrency": c,
-               "p50_ms_extra": roll["p50_ms"] - none["p50_ms"],
-               "p50_ratio": roll["p50_ms"] / none["p50_ms"],
-               "throughput_ratio": roll["req_per_s"] / none["req_per_s"]}
-        if "mlflow models serve" in by:
-            m = by["mlflow models serve"]
-            row["ours_vs_mlflow_throughput"] = none["req_per_s"] / m["req_per_s"]
-            row["ours_vs_mlflow_p50"] = none["p50_ms"] / m["p50_ms"]
-        overhead.append(row)
+        if "req_per_s" not in r:
+            continue
+        lines.append(
+            f"{r['target']:36s} {r['concurrency']:>3d} {r['p50_ms']:7.1f} {r['p95_ms']:7.1f} "
+            f"{r['p99_ms']:7.1f} {r['max_ms']:7.1f} {r['req_per_s']:7.1f} "
+            + (f"{r['mean_batch']:5.1f}" if "mean_batch" in r else f"{'-':>5s}")
+            + f" {100 * r['of_forward_limit']:5.0f}% {r['errors']:>4d}")
     lines.append("")
-    lines.append("rollout vs none (ours): " + "; ".join(
-        f"c={o['concurrency']}: p50 {o['p50_ms_extra']:+.1f} ms (x{o['p50_ratio']:.2f}), "
-        f"throughput x{o['throughput_ratio']:.2f}" for o in overhead))
-    if not args.skip_mlflow:
-        lines.append("ours (none) vs mlflow: " + "; ".join(
-            f"c={o['concurrency']}: throughput x{o['ours_vs_mlflow_throughput']:.2f}, "
-            f"p50 x{o['ours_vs_mlflow_p50']:.2f}" for o in overhead))
-    sizes = [ln for ln in batch_stats.splitlines()
-             if ln.startswith(("vit_service_batch_size_sum", "vit_service_batch_size_count"))]
-    lines.append("our batches: " + ", ".join(sizes))
+    by = {(r["target"], r["concurrency"]): r for r in results if "req_per_s" in r}
+    for task in ("image", "text"):
+        for c in args.concurrency:
+            best_mlflow = max((by[k] for k in by if k[1] == c and k[0].startswith(
+                f"{task} mlflow")), key=lambda r: r["req_per_s"], default=None)
+            for w in args.workers:
+                none = by.get((f"{task} ours w={w} attention=none", c))
+                roll = by.get((f"{task} ours w={w} attention=rollout", c))
+                if none is None or roll is None:
+                    continue
+                line = (f"{task} c={c} ours w={w}: rollout costs "
+                        f"{100 * (1 - roll['req_per_s'] / none['req_per_s']):.0f} % of none")
+                if best_mlflow is not None:
+                    line += (f"; rollout vs best mlflow ({best_mlflow['target'].split()[-1]}): "
+                             f"x{roll['req_per_s'] / best_mlflow['req_per_s']:.2f} req/s, "
+                             f"p99 x{roll['p99_ms'] / best_mlflow['p99_ms']:.2f}")
+                lines.append(line)
+    lines.append("")
+    lines.append("our stages (mean ms per observation; decode/queue/serialise per request, "
+                 "the others per batch group):")
+    for label, st in stages.items():
+        lines.append(f"  {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(st.items())))
+    if soak:
+        lines.append(f"soak (image, rollout, c=32, --workers {max(args.workers)}): RSS MB "
+                     + " -> ".join(f"{mb:.0f}" for _, mb, _ in soak)
+                     + f" over {soak[-1][0]:.0f} s, {sum(r for *_, r in soak) / len(soak):.0f}"
+                     " req/s")
+    lines.append(f"model forward limits (img or texts/s, batch 32, no HTTP): {limits}")
     lines.append(f"load average (1 min) before/after: {load_before[0]:.2f} / "
                  f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     print("\n".join(lines))
 
-    import torch
-
-    report = {
-        "model_uri": uri, "preset": None if args.model_uri else args.preset,
-        "image_size": args.image_size, "rounds": args.rounds, "results": results,
-        "rollout_overhead": overhead,
-        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "platform": platform.platform(),
-                    "loadavg_1m_before": load_before[0], "loadavg_1m_after": os.getloadavg()[0]},
-        "batch_metrics": sizes, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "note": "client and servers share the machine's CPUs; servers measured one at a time",
-    }
+    report = {"models": models, "bundle": str(bundle), "results": results, "stages": stages,
+              "soak": soak,
+              "forward_limits": limits, "rounds": args.rounds, "seconds": args.seconds,
+              "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                          "platform": platform.platform(), "loadavg_1m_before": load_before[0],
+                          "loadavg_1m_after": os.getloadavg()[0]},
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "note": "hey and the servers share the machine's CPUs; targets alternate"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {args.out}", file=sys.stderr)

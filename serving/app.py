@@ -27,7 +27,7 @@ from serving.model_cards import ModelCards
 from serving.model_store import ModelStore
 from serving.routers import health, jobs, models, predict
 from serving.routers.ui import mount_ui
-from serving.workers import Leadership, ModelSync
+from serving.workers import Leadership, ModelSync, exit_with_parent
 from vit_service import __version__, tracking
 from vit_service.config import Settings, get_settings
 
@@ -89,6 +89,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             log.warning("not loaded yet (503 until available): %s", ", ".join(missing))
         if sync is not None:
             tasks.append(asyncio.create_task(sync.follow_forever(0.5), name="model-sync"))
+            tasks.append(asyncio.create_task(exit_with_parent(settings.supervisor_pid),
+                                             name="parent-watch"))
         try:
             yield
         finally:

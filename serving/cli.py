@@ -31,8 +31,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve SOURCE (models:/name@alias, models:/name/N, runs:/id/model or a "
                    "bundle folder) as NAME; repeatable; replaces VIT_SERVICE_MODELS")
     p.add_argument("--workers", type=int, default=None, metavar="N",
-                   help="API processes (default: VIT_SERVICE_WORKERS, else one per 2 cores, at "
-                   "most 4); each serves every model with cores/N torch threads")
+                   help="API processes (default: VIT_SERVICE_WORKERS, else one per core, at most "
+                   "4); each serves every model with cores/N torch threads")
     p.add_argument("--max-batch-size", type=int, default=None)
     p.add_argument("--max-wait-ms", type=float, default=None)
     p.add_argument("--log-level", default="info",
@@ -61,8 +61,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def default_workers() -> int:
-    """One process per two cores (each with two torch threads), at least 1, at most 4."""
-    return max(1, min(4, (os.cpu_count() or 1) // 2))
+    """One process per core (one torch thread each), at most 4: on 2 cores, 2 workers gave
+    1.25x the throughput of one at c = 32 (docs/serving.md, "Benchmark"), at ~0.8 GB each."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def run_api(settings: Settings, log_level: str) -> None:
@@ -79,6 +80,7 @@ def run_api(settings: Settings, log_level: str) -> None:
                     log_level=log_level)
         return
     env = {"VIT_SERVICE_WORKERS": str(workers), "VIT_SERVICE_HOME": str(settings.home),
+           "VIT_SERVICE_SUPERVISOR_PID": str(os.getpid()),
            "VIT_SERVICE_MODELS": json.dumps(settings.models),
            "VIT_SERVICE_RELOAD_INTERVAL_S": str(settings.reload_interval_s),
            "VIT_SERVICE_MAX_BATCH_SIZE": str(settings.max_batch_size),

@@ -28,8 +28,9 @@ import fcntl
 import json
 import logging
 import os
+import signal
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from serving.model_store import ModelLoadError, ModelStore
 
@@ -137,5 +138,15 @@ class ModelSync:
             await asyncio.sleep(interval_s)
 
 
-def worker_info(leadership: Leadership) -> dict[str, Any]:
-    return {"pid": os.getpid(), "leader": leadership.is_leader}
+async def exit_with_parent(parent: int | None, interval_s: float = 1.0) -> None:
+    """A worker whose supervisor ``parent`` died (even by SIGKILL, even before this worker had
+    started) shuts down instead of serving on as an orphan that holds the port and the
+    leadership: SIGTERM to itself, uvicorn's graceful exit."""
+    parent = parent or os.getppid()
+    while True:
+        if os.getppid() != parent:
+            log.warning("the server process %d is gone: worker %d shuts down", parent,
+                        os.getpid())
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        await asyncio.sleep(interval_s)

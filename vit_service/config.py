@@ -68,8 +68,11 @@ class Settings(BaseSettings):
     )
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     workers: int | None = Field(
-        None, ge=1, le=64, description="`vit-service serve` processes; default: one per two "
-        "cores, at most 4 (serving/workers.py: one leader, one model version per home)"
+        None, ge=1, le=64, description="`vit-service serve` processes; default: one per core, "
+        "at most 4 (serving/workers.py: one leader, one model version per home)"
+    )
+    supervisor_pid: int | None = Field(
+        None, description="set by `serve --workers N` for its workers: they exit if it dies"
     )
 
     # --- training jobs over the API (owned by serving/jobs) -----------------------------------

@@ -23,7 +23,8 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, env: dict[str, str], home: Path, args: tuple[str, ...] = ()) -> None:
+    def __init__(self, env: dict[str, str], home: Path,
+                 args: tuple[str, ...] = ("--workers", "1")) -> None:
         self.env, self.home, self.args = env, home, args
         self.proc: subprocess.Popen | None = None
         self.url = ""

@@ -42,7 +42,7 @@ def server(registry, tmp_path):
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [*_command(), "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--reload-interval", "0"],
+             "--reload-interval", "0", "--workers", "1"],
             env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
         )
     base = f"http://127.0.0.1:{port}"

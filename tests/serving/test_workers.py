@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 from mlflow import MlflowClient
 
 from serving.workers import Leadership
@@ -112,6 +113,20 @@ def test_two_workers_one_leader_one_version(registry, tmp_path: Path) -> None:
             time.sleep(0.5)
         else:
             raise AssertionError("no new leader after the leader was killed")
+
+        # the supervisor dies hard: its workers notice and exit (no orphan keeps the port)
+        assert server.proc is not None
+        workers = [w for w in psutil.Process(server.proc.pid).children()
+                   if "resource_tracker" not in " ".join(w.cmdline())]
+        assert len(workers) == 2, workers
+        server.proc.kill()
+        server.proc.wait(10)
+        gone, alive = psutil.wait_procs(workers, timeout=20)
+        assert not alive, f"orphaned workers still running: {alive}"
     finally:
+        for w in psutil.Process().children(recursive=True):  # nothing outlives the test
+            if "multiprocessing" in " ".join(w.cmdline()) or "vit_service.cli" in " ".join(
+                    w.cmdline()):
+                w.kill()
         client.set_registered_model_alias("reload-vit", tracking.CHAMPION, "1")
         server.stop()
