@@ -103,7 +103,8 @@ class StepWindow:
         if not self.steps:
             return None
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
-        m = {"loss": float(self.loss) / self.steps, "acc": float(self.correct) / self.examples,
+        m = {"loss": float(self.loss) / self.steps,
+             "acc": float(self.correct) / max(self.examples, 1),  # an empty shard: no NaN
              "throughput": self.items * world_size / elapsed,
              "data_time_frac": self.data_t / elapsed}
         if not self.has_acc:

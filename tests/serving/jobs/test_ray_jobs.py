@@ -7,6 +7,7 @@ from __future__ import annotations
 import shlex
 import socket
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -107,3 +108,35 @@ def test_entrypoint_and_resources_come_from_the_recipe(tmp_path: Path) -> None:
     assert set(mgr.runtime_env()) == {"env_vars"}  # no code upload: the nodes have the package
     assert env["VIT_SERVICE_HOME"] == str(mgr.settings.home.resolve())
     assert env["RAY_JOB_STOP_WAIT_TIME_S"] == "30"  # the cancel grace: SIGTERM, then SIGKILL
+
+
+def test_a_two_process_job_runs_ddp_under_torchrun_on_ray(tmp_path: Path,
+                                                          ray_head: RayHead) -> None:
+    """nprocs=2 on Ray: one entrypoint reserving 2 CPUs, `torchrun --standalone` inside it, two
+    Gloo ranks; the run finishes with world size 2 (what the GPU recipes do with 2 GPUs)."""
+    from tests.training.conftest import make_cifar_archive, mlflow_client
+
+    data = tmp_path / "data"
+    data.mkdir()
+    make_cifar_archive(data / "cifar10-jpeg-train.tar.gz", per_class=30)
+    home = tmp_path / "home"
+    uri = f"sqlite:///{home / 'mlflow.db'}"
+    mgr = RayJobManager(Settings(home=home, data_dir=data, jobs_executor="ray",
+                                 ray_address=ray_head.address, ray_python=sys.executable,
+                                 cache_dir=tmp_path / "cache",
+                                 **{"MLFLOW_TRACKING_URI": uri}))  # the field's alias
+    assert mgr.settings.resolved_tracking_uri == uri
+    job = mgr.submit("cifar10-smoke", {"epochs": 1, "threads": 1, "attention_samples": 0,
+                                       "device": "cpu"}, nprocs=2)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        mgr.tick()
+        job = mgr.get(job.id)
+        if job.state.finished:
+            break
+        time.sleep(0.5)
+    log = "\n".join(mgr.logs(job.id, tail=400))
+    assert job.state == JobState.succeeded, f"{job.state}: {job.reason}\n{log[-3000:]}"
+    assert "torch.distributed.run --standalone --nproc_per_node=2 -m vit_service.cli" in log
+    run = mlflow_client(uri).get_run(job.mlflow_run_id)
+    assert run.data.params["train.world_size"] == "2"
