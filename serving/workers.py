@@ -4,9 +4,6 @@ Each uvicorn worker is a whole app (its own models, batcher and inference thread
 workers use N cores for HTTP, decoding and forwards at once. Two things must still happen once
 per home, whatever the number of processes:
 
-Both are on when the app is one of several workers (``Settings.workers`` > 1, which ``serve``
-exports to its workers); a single process leads and follows nobody, as before.
-
 * **Leadership.** Only the process holding an exclusive ``flock`` on ``$HOME/serving.lock``
   runs the job scheduler and polls the model registry. The kernel drops the lock when its
   holder dies, however it dies, and the other workers try to take it every couple of seconds,
@@ -18,6 +15,9 @@ exports to its workers); a single process leads and follows nobody, as before.
   worker watches that file (a ``stat`` every ``interval``) and refreshes a model whose published
   fingerprint differs from the one it serves; refreshing re-resolves the source, so all of them
   end on the registry's current version (and one that finds a newer one publishes it in turn).
+
+Both are on when the app is one of several workers (``Settings.workers`` > 1, which ``serve``
+exports to its workers); a single process leads and follows nobody, as before.
 """
 
 from __future__ import annotations

@@ -84,8 +84,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume == "if-exists":
         if not args.run_name:
             return _fail("--resume if-exists needs --run-name")
-        last = Path(settings.home) / "runs" / args.run_name / "checkpoints" / "last.pt"
-        args.resume = "auto" if last.is_file() else None
+        from training.checkpoint import find_checkpoint
+
+        try:
+            find_checkpoint(Path(settings.home) / "runs", "auto", args.run_name)
+            args.resume = "auto"
+        except FileNotFoundError:
+            args.resume = None
     try:
         overrides: dict[str, Any] = parse_overrides(args.overrides)
         if args.subset is not None:

@@ -104,7 +104,7 @@ class StepWindow:
             return None
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         m = {"loss": float(self.loss) / self.steps,
-             "acc": float(self.correct) / max(self.examples, 1),  # an empty shard: no NaN
+             "acc": float(self.correct) / max(self.examples, 1),  # a window of no examples
              "throughput": self.items * world_size / elapsed,
              "data_time_frac": self.data_t / elapsed}
         if not self.has_acc:

@@ -276,8 +276,8 @@ class JobManager:
 
     def _poll(self, job_id: str) -> None:
         t = self._tracked[job_id]
-        self._read_progress(job_id, t)
-        if t.cancel_at is None and self._get(job_id).reason == "cancel requested":
+        job = self._read_progress(job_id, t)
+        if t.cancel_at is None and job.reason == "cancel requested":
             self._signal(t.pid, signal.SIGTERM)  # asked through another process (a worker)
             t.cancel_at = time.monotonic()
         if t.cancel_at is not None and not t.killed and \
@@ -322,14 +322,16 @@ class JobManager:
         log.info("job %s settled as %s: %s", job.id, state.value, reason)
 
     # --- progress -------------------------------------------------------------------------------
-    def _read_progress(self, job_id: str, t: _Tracked) -> None:
+    def _read_progress(self, job_id: str, t: _Tracked) -> JobRecord:
+        """Merge the log's new events into the job's progress; the job as read before that
+        (its state and reason are the ones the merge leaves unchanged)."""
         job = self._get(job_id)
         try:
             with open(job.log_path, "rb") as f:
                 f.seek(t.offset)
                 data = f.read()
         except OSError:
-            return
+            return job
         cut = data.rfind(b"\n") + 1  # only whole lines
         t.offset += cut
         changed = False
@@ -344,6 +346,7 @@ class JobManager:
             _merge_progress(progress, event)
         if changed:
             self.store.update(job_id, progress=progress, mlflow_run_id=run_id)
+        return job
 
     def _last_event(self, job: JobRecord, kind: str) -> dict[str, Any] | None:
         for line in reversed(self.logs(job.id, tail=200)):

@@ -117,6 +117,14 @@ def _record(row: _JobRow) -> JobRecord:
     )
 
 
+def _column_values(values: dict[str, Any]) -> dict[str, Any]:
+    """Record fields as the table stores them: states by value, ``resume`` as 0/1."""
+    out = {k: v.value if isinstance(v, JobState) else v for k, v in values.items()}
+    if "resume" in out:
+        out["resume"] = int(bool(out["resume"]))
+    return out
+
+
 class JobStore:
     """Thread-safe CRUD over the jobs table (each call opens its own session)."""
 
@@ -164,10 +172,7 @@ class JobStore:
             return _record(row) if row is not None else None
 
     def update(self, job_id: str, **values: Any) -> JobRecord:
-        if isinstance(values.get("state"), JobState):
-            values["state"] = values["state"].value
-        if "resume" in values:
-            values["resume"] = int(bool(values["resume"]))
+        values = _column_values(values)
         with self._session.begin() as s:
             row = s.get(_JobRow, job_id)
             if row is None:
@@ -182,9 +187,7 @@ class JobStore:
         One conditional ``UPDATE ... WHERE id = ? AND state IN (...)``: atomic in every
         database, so of two schedulers (two API processes on one database) claiming the same
         queued job, exactly one sees a row updated."""
-        values = {k: v.value if isinstance(v, JobState) else v for k, v in values.items()}
-        if "resume" in values:
-            values["resume"] = int(bool(values["resume"]))
+        values = _column_values(values)
         q = (update(_JobRow).where(_JobRow.id == job_id)
              .where(_JobRow.state.in_([e.value for e in expect])).values(**values))
         with self._session.begin() as s:
