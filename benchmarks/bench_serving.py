@@ -90,20 +90,27 @@ def register(home: Path, bundle: Path | None, preset: str, name: str) -> tuple[s
 
 class Server:
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], port: int, ready: str,
-                 log: Path) -> None:
+                 log: Path, workers: int = 1) -> None:
         self.name, self.url, self.ready, self.log = name, f"http://127.0.0.1:{port}", ready, log
+        self.workers = workers  # processes that must answer ready (ours only)
         with log.open("wb") as out:
             self.proc = subprocess.Popen(cmd, env=env, cwd=log.parent, stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 240) -> float:
-        start = time.monotonic()
+        """Until ``self.workers`` different processes have answered ready (ours name the ``pid``;
+        each request is a new connection, which the kernel may give to any worker)."""
+        start, ready = time.monotonic(), set()
         while time.monotonic() - start < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited:\n{self.log.read_text()[-3000:]}")
             try:
-                if httpx.get(self.url + self.ready, timeout=2).status_code == 200:
-                    return time.monotonic() - start
+                r = httpx.get(self.url + self.ready, timeout=2)
+                if r.status_code == 200:
+                    ready.add(r.json().get("pid", 0) if self.workers > 1 else 0)
+                    if len(ready) >= self.workers:
+                        return time.monotonic() - start
+                    continue
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
@@ -262,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd += ["--model", f"{name}={u}"]
         e = {**env, "VIT_SERVICE_HOME": str(tmp / f"home-{w}")}
         servers[f"ours-{w}"] = Server(f"ours --workers {w}", cmd, e, port, "/readyz",
-                                      tmp / f"ours-{w}.log")
+                                      tmp / f"ours-{w}.log", workers=w)
     for task_uri, task in ((uri, "image"), (text_uri, "text")):
         for w in args.mlflow_workers if task_uri else []:
             port = free_port()

@@ -12,9 +12,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vit_service.config import Settings
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +99,40 @@ def run_api(settings: Settings, log_level: str) -> None:
     prom = Path(tempfile.mkdtemp(prefix="vit-service-prometheus-"))
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(prom)
     log.info("%d workers, %s torch threads each", workers, env["VIT_SERVICE_TORCH_THREADS"])
+    config = uvicorn.Config("serving.app:create_app", factory=True, host=settings.host,
+                            port=settings.port, log_level=log_level, workers=workers)
     try:
-        uvicorn.run("serving.app:create_app", factory=True, host=settings.host,
-                    port=settings.port, log_level=log_level, workers=workers)
+        _run_workers(config)
     finally:
         shutil.rmtree(prom, ignore_errors=True)
+
+
+def _run_workers(config: uvicorn.Config) -> None:
+    """uvicorn's multiprocess supervisor (health checks, restarts, signals); on Linux over one
+    ``SO_REUSEPORT`` socket per worker, so that connections are spread evenly
+    (:class:`serving.workers.ReusePortSocket`)."""
+    import socket
+
+    from uvicorn.supervisors import Multiprocess
+
+    from serving.workers import reuseport_socket, reuseport_supported
+
+    if reuseport_supported():
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        try:
+            sock: socket.socket = reuseport_socket(family, config.host, config.port)
+        except OSError as e:
+            raise SystemExit(f"cannot listen on {config.host}:{config.port}: {e}") from e
+        log.info("Uvicorn running on http://%s:%d (one SO_REUSEPORT socket per worker)",
+                 config.host, sock.getsockname()[1])
+    else:
+        sock = config.bind_socket()
+    try:
+        Multiprocess(config, sockets=[sock]).run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
 
 
 def serve(args: argparse.Namespace) -> int:

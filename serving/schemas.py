@@ -289,3 +289,4 @@ class ReadyResponse(BaseModel):
     status: Literal["ready", "not ready"]
     loaded: dict[str, str | None] = Field(description="loaded model -> version")
     missing: list[str] = Field(description="configured models not loaded yet")
+    pid: int = Field(description="the worker process that answered (`serve --workers N`)")

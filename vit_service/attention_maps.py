@@ -33,8 +33,10 @@ the web layer.
 
 from __future__ import annotations
 
-import io
+import functools
 import logging
+import struct
+import zlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -212,18 +214,27 @@ def compute_attention_maps(
 # --- overlay ---------------------------------------------------------------------------------
 
 
-def _colormap(values: np.ndarray, name: str) -> np.ndarray:
-    """``(h, w)`` floats in [0, 1] -> ``(h, w, 3)`` uint8 via matplotlib's colormap ``name``
-    (a built-in blue-red ramp if matplotlib is missing)."""
+@functools.lru_cache(maxsize=16)
+def _colormap_lut(name: str) -> np.ndarray:
+    """``(256, 3)`` uint8: matplotlib's colormap ``name`` sampled at 256 levels (a built-in
+    blue-red ramp if matplotlib is missing); read-only, shared by every render."""
+    v = np.linspace(0.0, 1.0, 256)
     try:
         from matplotlib import colormaps
 
-        rgba = colormaps[name](values)  # (h, w, 4) floats
-        return (rgba[..., :3] * 255).round().astype(np.uint8)
+        lut = (colormaps[name](v)[:, :3] * 255).round().astype(np.uint8)  # (256, 3)
     except ImportError:  # pragma: no cover - matplotlib is a declared dependency
-        v = values[..., None]
         blue, red = np.array([0, 0, 160.0]), np.array([255, 230, 0.0])
-        return ((1 - v) * blue + v * red).round().astype(np.uint8)
+        lut = ((1 - v[:, None]) * blue + v[:, None] * red).round().astype(np.uint8)
+    lut.flags.writeable = False
+    return lut
+
+
+def _colormap(values: np.ndarray, name: str) -> np.ndarray:
+    """``(h, w)`` floats in [0, 1] -> ``(h, w, 3)`` uint8, quantised to the 256 levels of
+    ``name`` (what an 8-bit image holds anyway)."""
+    idx = (np.clip(values, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)  # (h, w)
+    return _colormap_lut(name)[idx]  # (h, w, 3)
 
 
 def heatmap_image(
@@ -237,7 +248,27 @@ def heatmap_image(
     lo, hi = float(h.min()), float(h.max())
     h = (h - lo) / (hi - lo) if hi > lo else np.zeros_like(h)
     up = np.asarray(Image.fromarray(h).resize(size, Image.BILINEAR))
-    return Image.fromarray(_colormap(np.clip(up, 0.0, 1.0), colormap))
+    return Image.fromarray(_colormap(up, colormap))
+
+
+def _chunk(tag: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+
+def png_bytes(rgb: np.ndarray, level: int = 1) -> bytes:
+    """``(h, w, 3)`` uint8 -> an 8-bit RGB PNG. Every row uses the "Up" filter (the byte
+    difference to the row above), then zlib at ``level``: on a smooth overlay about as small as
+    PIL's adaptive filters at level 6 and 3-8x faster (measured in docs/serving.md)."""
+    if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
+        raise ValueError(f"expected (h, w, 3) uint8, got {rgb.dtype} {rgb.shape}")
+    h, w, _ = rgb.shape
+    rows = rgb.reshape(h, w * 3)  # (h, 3w)
+    up = rows.copy()
+    up[1:] -= rows[:-1]  # uint8 wraps: the PNG "Up" filter
+    raw = np.concatenate([np.full((h, 1), 2, np.uint8), up], axis=1)  # filter byte 2 per row
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)  # 8-bit, RGB, deflate, no interlace
+    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr)
+            + _chunk(b"IDAT", zlib.compress(raw.tobytes(), level)) + _chunk(b"IEND", b""))
 
 
 def overlay_heatmap(
@@ -262,7 +293,4 @@ def overlay_heatmap(
     if scale != 1.0:
         img = img.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BICUBIC)
     heat_img = heatmap_image(heat, img.size, colormap)
-    blended = Image.blend(img, heat_img, alpha)
-    buf = io.BytesIO()
-    blended.save(buf, format="PNG")
-    return buf.getvalue()
+    return png_bytes(np.asarray(Image.blend(img, heat_img, alpha)))

@@ -98,15 +98,14 @@ def attention_gradients(
     """
     with torch.inference_mode(False), torch.enable_grad():
         inputs = tuple(t.clone() if t.is_inference() else t for t in inputs)
-        logits, attns, views = model.attention_graph(*inputs)  # attns: L x (V*B, H, T, T)
-        B = logits.shape[0]
+        logits, attns, views = model.attention_graph(*inputs)  # attns: L x (B, H, T, T)
         pred = logits.detach().argmax(-1)
         tgt = pred if target is None else torch.where(target.to(pred.device) < 0, pred,
                                                       target.to(pred.device))
         score = logits.gather(1, tgt[:, None]).sum()  # items are independent: one backward
         grads = torch.autograd.grad(score, attns)
-    attns_b = [a.detach()[:B] for a in attns]
-    grads_b = [g[:B] * views for g in grads]  # the mean over V views scaled back to one view
+    attns_b = [a.detach() for a in attns]
+    grads_b = [g * views for g in grads]  # the mean over V views scaled back to one view
     return logits.detach(), attns_b, grads_b, tgt
 
 

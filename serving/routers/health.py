@@ -29,7 +29,8 @@ async def readyz(store: StoreDep, settings: SettingsDep) -> JSONResponse:
     loaded = {n: m.version for n, m in store.loaded().items()}
     missing = [n for n in store.names if n not in loaded]
     ok = bool(loaded) and (not missing or not settings.ready_requires_all)
-    body = ReadyResponse(status="ready" if ok else "not ready", loaded=loaded, missing=missing)
+    body = ReadyResponse(status="ready" if ok else "not ready", loaded=loaded, missing=missing,
+                         pid=os.getpid())
     return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 
 

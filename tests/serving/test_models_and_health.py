@@ -18,7 +18,8 @@ def test_healthz_readyz(client) -> None:
     r = client.get("/readyz")
     assert r.status_code == 200
     assert r.json() == {"status": "ready", "loaded": {"cifar10-vit": "1", "imdb-sentiment": "1",
-                                                      "local-vit": None}, "missing": []}
+                                                      "local-vit": None}, "missing": [],
+                        "pid": os.getpid()}
 
 
 def test_list_models(client) -> None:
@@ -151,7 +152,8 @@ def test_missing_model_is_503_until_it_appears(make_client, registry, tmp_path,
                     api_key="secret")
     r = c.get("/readyz")
     assert r.status_code == 503
-    assert r.json() == {"status": "not ready", "loaded": {}, "missing": ["cifar10-vit", "later"]}
+    assert r.json() == {"status": "not ready", "loaded": {}, "missing": ["cifar10-vit", "later"],
+                        "pid": os.getpid()}
     r = c.post("/v1/predict/image", content=image_bytes(), headers={"content-type": "image/png"})
     assert r.status_code == 503 and "no model loaded for 'cifar10-vit'" in r.json()["detail"]
     r = c.post("/v1/predict/image", params={"model": "later"}, content=image_bytes(),

@@ -3,6 +3,7 @@ every worker serving the same model version after a reload (serving/workers.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -59,6 +60,15 @@ def _sample(server: Server, n: int) -> dict[int, dict]:
     return seen
 
 
+def _listening(pid: int, port: int) -> set[str]:
+    """The kernel sockets (``socket:[inode]``) that process ``pid`` listens on ``port`` with."""
+    out = set()
+    for c in psutil.Process(pid).net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.fd >= 0:
+            out.add(os.readlink(f"/proc/{pid}/fd/{c.fd}"))
+    return out
+
+
 def test_two_workers_one_leader_one_version(registry, tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
@@ -79,6 +89,10 @@ def test_two_workers_one_leader_one_version(registry, tmp_path: Path) -> None:
         assert len(seen) == 2, seen
         assert sorted(s["leader"] for s in seen.values()) == [False, True]
         assert {s["loaded"]["reload-vit"] for s in seen.values()} == {"1"}
+        if sys.platform.startswith("linux"):  # a listening socket of its own per worker
+            port = int(server.url.rsplit(":", 1)[1])
+            socks = [_listening(pid, port) for pid in seen]
+            assert all(len(x) == 1 for x in socks) and socks[0] != socks[1], socks
 
         client.set_registered_model_alias("reload-vit", tracking.CHAMPION, "2")
         r = server.post("/v1/models/reload-vit/reload")  # lands on one of them
@@ -113,6 +127,15 @@ def test_two_workers_one_leader_one_version(registry, tmp_path: Path) -> None:
             time.sleep(0.5)
         else:
             raise AssertionError("no new leader after the leader was killed")
+        deadline = time.monotonic() + 90  # the supervisor restarts it, on a new socket
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                now.update(_sample(server, 6))
+            if len(set(now) - {leader}) == 2:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"the killed worker was not replaced: {now}")
 
         # the supervisor dies hard: its workers notice and exit (no orphan keeps the port)
         assert server.proc is not None

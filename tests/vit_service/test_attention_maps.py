@@ -12,6 +12,7 @@ from vit_service.attention_maps import (
     head_maps,
     layer_maps,
     overlay_heatmap,
+    png_bytes,
     rollout_matrix,
 )
 from vit_service.models import create_model
@@ -133,6 +134,30 @@ def test_overlay_is_a_png_of_bounded_size(size: tuple[int, int], expected: tuple
     assert np.abs(px[-5, -5] - px[4, 4]).sum() > 100
     # a constant map does not divide by zero
     Image.open(io.BytesIO(overlay_heatmap(img, torch.zeros(4, 4)))).load()
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 3), (224, 224)])
+def test_png_bytes_decode_to_exactly_the_pixels(shape: tuple[int, int]) -> None:
+    rgb = np.random.default_rng(0).integers(0, 256, (*shape, 3), dtype=np.uint8)
+    out = Image.open(io.BytesIO(png_bytes(rgb)))
+    assert out.mode == "RGB" and out.size == (shape[1], shape[0])
+    assert np.array_equal(np.asarray(out), rgb)
+    with pytest.raises(ValueError, match="uint8"):
+        png_bytes(rgb.astype(np.float32))
+
+
+def test_colormap_lut_matches_matplotlib_to_a_quantisation_step() -> None:
+    from matplotlib import colormaps
+
+    from vit_service.attention_maps import _colormap
+
+    v = np.random.default_rng(0).random((50, 40))
+    exact = colormaps["inferno"](v)[..., :3] * 255
+    got = _colormap(v, "inferno").astype(float)
+    assert got.shape == (50, 40, 3)
+    assert np.abs(got - exact).max() <= 6  # one of 256 levels apart at most
+    assert np.array_equal(_colormap(np.array([[0.0, 1.0]]), "inferno")[0],
+                          (colormaps["inferno"]([0.0, 1.0])[:, :3] * 255).round())
 
 
 def test_mean_query_reads_the_mean_of_the_token_rows() -> None:

@@ -79,10 +79,13 @@ class Attention(nn.Module):
         key_padding_mask: Tensor | None = None,
         causal: bool = False,
         need_weights: bool = False,
+        weight_rows: int | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """``x``: ``(B, T, C)``. Returns ``(out (B, T, C), weights (B, H, T, T) | None)``.
+        """``x``: ``(B, T, C)``. Returns ``(out (B, T, C), weights (R, H, T, T) | None)``.
 
-        ``need_weights=True`` (or ``fused_attn=False``) takes the explicit path.
+        ``need_weights=True`` (or ``fused_attn=False``) takes the explicit path. ``weight_rows``
+        ``R < B``: only the first ``R`` batch rows need their weights; the others take the fused
+        path (a flip-TTA batch, whose mirror views' weights nobody reads).
         """
         B, T, C = x.shape
         qkv = self.qkv(x).reshape(B, T, 3, self.num_heads, self.head_dim)  # (B, T, 3, H, D)
@@ -94,21 +97,39 @@ class Attention(nn.Module):
 
         weights: Tensor | None = None
         if self.fused_attn and not need_weights:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=bias, dropout_p=self.attn_drop.p if self.training else 0.0
-            )  # (B, H, T, D)
+            out = self._fused(q, k, v, bias)  # (B, H, T, D)
+        elif weight_rows is not None and 0 <= weight_rows < B and self.fused_attn:
+            r = weight_rows
+            head, weights = self._explicit(q[:r], k[:r], v[:r], _rows(bias, 0, r),
+                                           _rows(dead, 0, r))
+            rest = self._fused(q[r:], k[r:], v[r:], _rows(bias, r, B))
+            out = torch.cat([head, rest])  # (B, H, T, D)
         else:
-            scores = (q * self.scale) @ k.transpose(-2, -1)  # (B, H, T, T)
-            if bias is not None:
-                scores = scores + bias
-            weights = scores.softmax(dim=-1)  # (B, H, T, T)
-            if dead is not None:
-                weights = weights.masked_fill(dead, 0.0)
-            out = self.attn_drop(weights) @ v  # (B, H, T, D)
+            out, weights = self._explicit(q, k, v, bias, dead)
         if dead is not None:
             out = out.masked_fill(dead, 0.0)  # fully-masked queries attend to nothing
         out = out.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         return self.proj_drop(self.proj(out)), weights
+
+    def _fused(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, dropout_p=self.attn_drop.p if self.training else 0.0
+        )  # (B, H, T, D)
+
+    def _explicit(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
+                  dead: Tensor | None) -> tuple[Tensor, Tensor]:
+        scores = (q * self.scale) @ k.transpose(-2, -1)  # (B, H, T, T)
+        if bias is not None:
+            scores = scores + bias
+        weights = scores.softmax(dim=-1)  # (B, H, T, T)
+        if dead is not None:
+            weights = weights.masked_fill(dead, 0.0)
+        return self.attn_drop(weights) @ v, weights  # (B, H, T, D), (B, H, T, T)
+
+
+def _rows(t: Tensor | None, start: int, stop: int) -> Tensor | None:
+    """Batch rows ``start:stop`` of a mask or bias that may broadcast over the batch (dim 1)."""
+    return t if t is None or t.shape[0] == 1 else t[start:stop]
 
 
 class Mlp(nn.Module):
@@ -165,8 +186,9 @@ class Block(nn.Module):
         key_padding_mask: Tensor | None = None,
         causal: bool = False,
         need_weights: bool = False,
+        weight_rows: int | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        a, w = self.attn(self.norm1(x), key_padding_mask, causal, need_weights)
+        a, w = self.attn(self.norm1(x), key_padding_mask, causal, need_weights, weight_rows)
         x = x + self.drop_path1(a)
         x = x + self.drop_path2(self.mlp(self.norm2(x)))
         return x, w

@@ -161,11 +161,13 @@ class ViT(nn.Module):
         return self.pos_drop(x)
 
     def forward_features(
-        self, x: Tensor, need_weights: bool = False, leaf_tokens: bool = False
+        self, x: Tensor, need_weights: bool = False, leaf_tokens: bool = False,
+        weight_rows: int | None = None,
     ) -> tuple[Tensor, list[Tensor] | None]:
         """Returns normalised tokens ``(B, 1 + N, D)`` and, if asked, per-layer attention
-        weights, each ``(B, H, 1 + N, 1 + N)``, from this same forward pass. ``leaf_tokens``:
-        the autograd graph starts at the embedded tokens (parameters are never part of it)."""
+        weights, each ``(B, H, 1 + N, 1 + N)``, from this same forward pass (``(R, ...)``: only
+        the first ``weight_rows`` images'). ``leaf_tokens``: the autograd graph starts at the
+        embedded tokens (parameters are never part of it)."""
         x = self.embed(x)
         if self.training and self.config.patch_dropout > 0:
             x = self._drop_patches(x)
@@ -173,7 +175,7 @@ class ViT(nn.Module):
             x = x.detach().requires_grad_()
         attns: list[Tensor] = []
         for blk in self.blocks:
-            x, w = blk(x, need_weights=need_weights)
+            x, w = blk(x, need_weights=need_weights, weight_rows=weight_rows)
             if w is not None:
                 attns.append(w)
         return self.norm(x), (attns if need_weights else None)
@@ -208,13 +210,15 @@ class ViT(nn.Module):
     def attention_graph(
         self, x: Tensor, track: bool = True
     ) -> tuple[Tensor, list[Tensor], int]:
-        """Logits ``(B, K)``, every layer's attention weights (each ``(V*B, H, T, T)``) and
-        ``V``, the number of views (2 with ``tta_flip``: rows ``:B`` are the given images, ``B:``
-        their mirrors). ``track`` (under grad mode): the weights are in an autograd graph that
-        starts at the tokens, which is what relevance differentiates."""
+        """Logits ``(B, K)``, every layer's attention weights of the given images (each
+        ``(B, H, T, T)``) and ``V``, the number of views averaged into the logits (2 with
+        ``tta_flip``: the mirror views take the fused path, nobody reads their weights).
+        ``track`` (under grad mode): the weights are in an autograd graph that starts at the
+        tokens, which is what relevance differentiates."""
         views = 2 if self._tta() else 1
         feats, attns = self.forward_features(torch.cat([x, x.flip(-1)]) if views == 2 else x,
-                                             need_weights=True, leaf_tokens=track)
+                                             need_weights=True, leaf_tokens=track,
+                                             weight_rows=x.shape[0] if views == 2 else None)
         logits = self.forward_head(feats)
         if views == 2:
             logits = logits.view(2, x.shape[0], -1).mean(0)  # (B, K)
@@ -225,4 +229,4 @@ class ViT(nn.Module):
         """Logits ``(B, K)`` and attention ``(L, B, H, T, T)`` from one forward pass (with
         ``tta_flip``: the logits average both views, the attention is the given view's)."""
         logits, attns, _ = self.attention_graph(x, track=False)
-        return logits, torch.stack([a[: x.shape[0]] for a in attns])  # (L, B, H, T, T)
+        return logits, torch.stack(attns)  # (L, B, H, T, T)
