@@ -7,15 +7,17 @@ that whatever else the machine does hits them alike:
 
 * ours: ``vit-service serve --workers W`` for each W of ``--workers`` (micro-batching), raw
   ``image/jpeg`` bodies (one 32x32 JPEG), ``top_k=1``, with ``attention=none`` and with
-  ``attention=rollout``;
+  ``attention=rollout``; with the largest W also rollout and heads as ``f16-base64``, heads as
+  JSON and ``attention=heads&overlay=true`` (``--image-extras``);
 * MLflow's: ``mlflow models serve --workers W`` for each W of ``--mlflow-workers`` (the pyfunc
   wrapper ``vit_service.tracking.BundlePyfunc``; JSON ``dataframe_split`` with a base64
   ``image``; no attention at all).
 
 With ``--text-bundle`` the same is done for a text model with a 200-word review. Also measured
-in the same run: the model's own batched forward (batch 32, ``torch`` threads = cores, no HTTP),
-the limit any server can reach; the per-stage time of our server from its Prometheus
-histograms (``vit_service_stage_seconds``); its resident memory before and after each level.
+in the same run: the model's own batched forward (batch 32, no HTTP; the better of one process
+with a thread per core and one single-thread process per core), the limit any server can
+reach; the per-stage time of our server from its Prometheus histograms
+(``vit_service_stage_seconds``); its resident memory before and after each level.
 
     python benchmarks/bench_serving.py                             # fresh vit_nano, ~6 min
     python benchmarks/bench_serving.py --bundle path/to/bundle     # a trained model
@@ -174,13 +176,14 @@ def stage_totals(url: str) -> dict[str, tuple[float, float]]:
     return out
 
 
-def forward_limit(bundle: Path, seconds: float = 4.0) -> float:
-    """The model's own throughput: batch-32 forwards, attention off, all cores, no HTTP."""
+def forward_rate(bundle: Path, seconds: float, threads: int, start_at: float = 0.0) -> float:
+    """One process: batch-32 forwards, attention off, ``threads`` torch threads, no HTTP
+    (timed from the wall-clock ``start_at``, so that several processes overlap)."""
     import torch
 
     from vit_service.bundle import load_bundle
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads)
     b = load_bundle(bundle)
     m = b.model.eval()
     if b.meta.task == "image":
@@ -193,11 +196,26 @@ def forward_limit(bundle: Path, seconds: float = 4.0) -> float:
         call = lambda: m(enc.input_ids, enc.attention_mask)  # noqa: E731
     with torch.inference_mode():
         call()
+        time.sleep(max(0.0, start_at - time.time()))
         n, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
             call()
             n += 32
     return n / (time.perf_counter() - start)
+
+
+def forward_limit(bundle: Path, seconds: float = 4.0) -> dict[str, float]:
+    """The model's own throughput, the most any server can answer: batch-32 forwards with
+    attention off and no HTTP, both as one process with a thread per core and as one
+    single-thread process per core at once (how ``--workers N`` runs it; usually faster:
+    no OpenMP barriers). ``best`` is the larger."""
+    cores = os.cpu_count() or 1
+    one = forward_rate(bundle, seconds, cores)
+    cmd = [sys.executable, __file__, "--forward-rate", str(bundle), str(seconds),
+           str(time.time() + 15)]  # all loaded and warm by then
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(cores)]
+    each = [float(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+    return {"one_process": one, "process_per_core": sum(each), "best": max(one, sum(each))}
 
 
 def jpeg_image(size: int, seed: int = 0) -> bytes:
@@ -216,6 +234,10 @@ def summarise(lat: list[float], errors: int, wall: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--forward-rate"]:  # internal: one process of forward_limit()
+        print(forward_rate(Path(argv[1]), float(argv[2]), 1, float(argv[3])))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, default=None, help="image model bundle (default: a "
                    "fresh --preset)")
@@ -226,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mlflow-workers", type=int, nargs="*", default=[1, 2])
     p.add_argument("--seconds", type=float, default=5.0, help="per target, level and round")
     p.add_argument("--rounds", type=int, default=2, help="alternate the targets this often")
+    p.add_argument("--image-extras", nargs="*",
+                   default=["rollout&encoding=f16-base64", "heads", "heads&encoding=f16-base64",
+                            "heads&overlay=true"],
+                   metavar="ATTENTION", help="also these image query strings (after "
+                   "attention=), on ours with the largest --workers only")
     p.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
                    help="afterwards, load ours (largest --workers, rollout, c=32) this long "
                    "and sample its resident memory every 10 s: does it settle or grow?")
@@ -289,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
                     path, body = "/v1/predict/text", text_bodies[att]
                 targets.append((f"{task} ours w={w} attention={att}", f"ours-{w}", path, body,
                                 ctype))
+        for att in args.image_extras if task == "image" else []:
+            w = max(args.workers)
+            targets.append((f"image ours w={w} attention={att}", f"ours-{w}",
+                            f"/v1/predict/image?model=bench-vit&top_k=1&attention={att}", img,
+                            ctype))
         for w in args.mlflow_workers:
             targets.append((f"{task} mlflow serve w={w}", f"mlflow-{task}-{w}", "/invocations",
                             img_json if task == "image" else text_mlflow, "application/json"))
@@ -304,9 +336,10 @@ def main(argv: list[str] | None = None) -> int:
             lat, err, _ = hey(servers[server].url + path, body, ctype, 2, 1.0)
             if err or not lat:
                 raise SystemExit(f"{label}: {err} errors in the warm-up")
-        limits = {"image": forward_limit(bundle)}
+        limit_detail = {"image": forward_limit(bundle)}
         if args.text_bundle is not None:
-            limits["text"] = forward_limit(args.text_bundle)
+            limit_detail["text"] = forward_limit(args.text_bundle)
+        limits = {task: d["best"] for task, d in limit_detail.items()}
         print(f"model forward limits (batch 32, no HTTP): {limits}", file=sys.stderr)
         for c in args.concurrency:
             acc: dict[str, tuple[list[float], int, float]] = {t[0]: ([], 0, 0.0) for t in targets}
@@ -401,14 +434,15 @@ def main(argv: list[str] | None = None) -> int:
                      + " -> ".join(f"{mb:.0f}" for _, mb, _ in soak)
                      + f" over {soak[-1][0]:.0f} s, {sum(r for *_, r in soak) / len(soak):.0f}"
                      " req/s")
-    lines.append(f"model forward limits (img or texts/s, batch 32, no HTTP): {limits}")
+    lines.append("model forward limits (img or texts/s, batch 32, no HTTP; one process with "
+                 f"all threads / one 1-thread process per core): {limit_detail}")
     lines.append(f"load average (1 min) before/after: {load_before[0]:.2f} / "
                  f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     print("\n".join(lines))
 
     report = {"models": models, "bundle": str(bundle), "results": results, "stages": stages,
-              "soak": soak,
-              "forward_limits": limits, "rounds": args.rounds, "seconds": args.seconds,
+              "soak": soak, "forward_limits": limits, "forward_limit_detail": limit_detail,
+              "rounds": args.rounds, "seconds": args.seconds,
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform(), "loadavg_1m_before": load_before[0],
                           "loadavg_1m_after": os.getloadavg()[0]},

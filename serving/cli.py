@@ -110,12 +110,12 @@ def run_api(settings: Settings, log_level: str) -> None:
 def _run_workers(config: uvicorn.Config) -> None:
     """uvicorn's multiprocess supervisor (health checks, restarts, signals); on Linux over one
     ``SO_REUSEPORT`` socket per worker, so that connections are spread evenly
-    (:class:`serving.workers.ReusePortSocket`)."""
+    (:class:`serving.sockets.ReusePortSocket`)."""
     import socket
 
     from uvicorn.supervisors import Multiprocess
 
-    from serving.workers import reuseport_socket, reuseport_supported
+    from serving.sockets import reuseport_socket, reuseport_supported
 
     if reuseport_supported():
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET

@@ -48,6 +48,7 @@ class ImageJob:
     top_k: int
     spec: ExplainSpec
     overlay: bool = False
+    f16: bool = False  # attention arrays as f16-base64 (EncodedArray) instead of JSON lists
 
     @property
     def size(self) -> int:
@@ -59,6 +60,7 @@ class TextJob:
     texts: list[str]
     top_k: int
     spec: ExplainSpec
+    f16: bool = False  # attention arrays as f16-base64 (EncodedArray) instead of JSON lists
 
     @property
     def size(self) -> int:
@@ -111,6 +113,33 @@ def _predictions(probs: torch.Tensor, top_k: int, class_names: list[str]) -> lis
         {"label": class_names[i], "index": i, "probability": v}
         for v, i in zip(p.tolist(), idx.tolist(), strict=True)
     ]
+
+
+def f16_base64(t: torch.Tensor) -> dict[str, Any]:
+    """A tensor as :class:`serving.schemas.EncodedArray` fields: little-endian float16 bytes,
+    row-major, in base64."""
+    a = t.detach().to(torch.float16).contiguous().numpy().astype("<f2", copy=False)
+    return {"dtype": "float16", "shape": list(a.shape),
+            "data": base64.b64encode(a.tobytes()).decode("ascii")}
+
+
+class _Arrays:
+    """One batch's attention array, written per row as JSON lists (one ``tolist`` for the
+    batch, made on first use) or f16-base64; ``n``: keep the first ``n`` of the last dim."""
+
+    def __init__(self, t: torch.Tensor | None) -> None:
+        self.t, self._lists = t, None
+
+    def row(self, i: int, f16: bool, n: int | None = None) -> Any:
+        if self.t is None:
+            return None
+        if f16:
+            return f16_base64(self.t[i] if n is None else self.t[i, ..., :n])
+        if n is not None:
+            return self.t[i, ..., :n].tolist()
+        if self._lists is None:
+            self._lists = self.t.tolist()
+        return self._lists[i]
 
 
 def _groups(jobs: Sequence[Job]) -> dict[int, list[int]]:
@@ -207,10 +236,10 @@ def run_image_jobs(model: LoadedModel, jobs: list[ImageJob],
                 torch.ones(x.shape[0], gh * gw, dtype=torch.bool), "mean_colour")
             if faith:
                 clock.lap("faithfulness")
-            rollout = maps.rollout.tolist() if maps else None
-            layers = maps.layers.tolist() if maps else None
-            head_list = maps.heads.tolist() if maps and maps.heads is not None else None
-            rel = fwd.relevance.tolist() if fwd.relevance is not None else None
+            rollout = _Arrays(maps.rollout if maps else None)
+            layers = _Arrays(maps.layers if maps else None)
+            heads = _Arrays(maps.heads if maps else None)
+            rel = _Arrays(fwd.relevance)
             row = 0
             for i in idxs:
                 job, results = jobs[i], []
@@ -225,13 +254,13 @@ def run_image_jobs(model: LoadedModel, jobs: list[ImageJob],
                         "faithfulness": faith.get(row),
                     }
                     if maps is not None:
+                        f16 = job.f16
                         res["attention"] = {
                             "grid": model.grid,
-                            "rollout": rollout[row],
-                            "layers": layers[row],
-                            "heads": head_list[row] if (
-                                head_list is not None and job.spec.heads) else None,
-                            "relevance": rel[row] if rel is not None else None,
+                            "rollout": rollout.row(row, f16),
+                            "layers": layers.row(row, f16),
+                            "heads": heads.row(row, f16) if job.spec.heads else None,
+                            "relevance": rel.row(row, f16),
                             "target": _target_ref(fwd, row, names),
                         }
                         if job.overlay:
@@ -275,6 +304,10 @@ def run_text_jobs(model: LoadedModel, jobs: list[TextJob],
             if faith:
                 clock.lap("faithfulness")
             lengths = mask.sum(1).tolist()
+            rollout = _Arrays(maps.rollout if maps else None)
+            layers = _Arrays(maps.layers if maps else None)
+            heads = _Arrays(maps.heads if maps else None)
+            rel = _Arrays(fwd.relevance)
             row = 0
             for i in idxs:
                 job, results = jobs[i], []
@@ -288,13 +321,12 @@ def run_text_jobs(model: LoadedModel, jobs: list[TextJob],
                         "faithfulness": faith.get(row),
                     }
                     if maps is not None:
+                        f16 = job.f16
                         res["attention"] = {
-                            "rollout": maps.rollout[row, :n].tolist(),
-                            "layers": maps.layers[row, :, :n].tolist(),
-                            "heads": maps.heads[row, :, :, :n].tolist() if (
-                                maps.heads is not None and job.spec.heads) else None,
-                            "relevance": fwd.relevance[row, :n].tolist()
-                            if fwd.relevance is not None else None,
+                            "rollout": rollout.row(row, f16, n),
+                            "layers": layers.row(row, f16, n),
+                            "heads": heads.row(row, f16, n) if job.spec.heads else None,
+                            "relevance": rel.row(row, f16, n),
                             "target": _target_ref(fwd, row, names),
                         }
                     results.append(res)

@@ -86,6 +86,28 @@ class Faithfulness(BaseModel):
         description="the map with the lowest deletion AUC, or `random` if none beats chance")
 
 
+class AttentionEncoding(str, Enum):
+    """How the attention arrays (``rollout``, ``layers``, ``heads``, ``relevance``) are written.
+
+    ``json``: nested lists of floats. ``f16-base64``: each array is one
+    :class:`EncodedArray`, IEEE half floats (little-endian, row-major) in base64: ~8x smaller
+    than the lists (~3 significant digits, plenty for a map that sums to 1), no float
+    formatting on either side. Decode with
+    ``np.frombuffer(base64.b64decode(a["data"]), "<f2").reshape(a["shape"])``.
+    """
+
+    json = "json"
+    f16_base64 = "f16-base64"
+
+
+class EncodedArray(BaseModel):
+    """One attention array with ``encoding=f16-base64``."""
+
+    dtype: Literal["float16"] = "float16"
+    shape: list[int] = Field(description="e.g. [8, 8] for a rollout grid, [L, H, 8, 8] heads")
+    data: str = Field(description="base64 of the little-endian float16 values, row-major")
+
+
 # --- images ------------------------------------------------------------------------------------
 
 
@@ -96,12 +118,14 @@ class ImageAttention(BaseModel):
     """
 
     grid: tuple[int, int] = Field(description="patch grid (rows, cols), e.g. [8, 8]")
-    rollout: list[list[float]] = Field(description="attention rollout, shape grid")
-    layers: list[list[list[float]]] = Field(description="per layer, heads averaged: (L, *grid)")
-    heads: list[list[list[list[float]]]] | None = Field(
+    rollout: list[list[float]] | EncodedArray = Field(description="attention rollout, shape "
+                                                      "grid")
+    layers: list[list[list[float]]] | EncodedArray = Field(
+        description="per layer, heads averaged: (L, *grid)")
+    heads: list[list[list[list[float]]]] | EncodedArray | None = Field(
         None, description="per layer per head (L, H, *grid); only with attention=heads"
     )
-    relevance: list[list[float]] | None = Field(
+    relevance: list[list[float]] | EncodedArray | None = Field(
         None, description="gradient-weighted relevance for `target`, shape grid; only with "
         "attention=relevance")
     target: ClassRef | None = Field(None, description="the class relevance explains")
@@ -147,6 +171,8 @@ class TextPredictRequest(BaseModel):
         None, description="class label or index to explain (relevance, faithfulness); default: "
         "the predicted class")
     faithfulness: bool = Field(False, description="also return deletion/insertion curves")
+    encoding: AttentionEncoding = Field(
+        AttentionEncoding.json, description="attention arrays as JSON lists or f16-base64")
 
     @field_validator("text")
     @classmethod
@@ -168,12 +194,13 @@ class TextAttention(BaseModel):
     """Maps of the [CLS] token over the text's tokens (aligned with ``tokens``; [CLS] and
     padding excluded); every map sums to 1."""
 
-    rollout: list[float]
-    layers: list[list[float]] = Field(description="per layer, heads averaged: (L, n_tokens)")
-    heads: list[list[list[float]]] | None = Field(
+    rollout: list[float] | EncodedArray
+    layers: list[list[float]] | EncodedArray = Field(
+        description="per layer, heads averaged: (L, n_tokens)")
+    heads: list[list[list[float]]] | EncodedArray | None = Field(
         None, description="per layer per head (L, H, n_tokens); only with attention=heads"
     )
-    relevance: list[float] | None = Field(
+    relevance: list[float] | EncodedArray | None = Field(
         None, description="gradient-weighted relevance for `target`; only with "
         "attention=relevance")
     target: ClassRef | None = Field(None, description="the class relevance explains")

@@ -19,13 +19,8 @@ per home, whatever the number of processes:
 Both are on when the app is one of several workers (``Settings.workers`` > 1, which ``serve``
 exports to its workers); a single process leads and follows nobody, as before.
 
-**Balanced connections.** With one listening socket shared by all workers, whichever worker
-is idle in ``accept`` at the moment takes a new connection, and keep-alive clients stay where
-they landed: measured with 32 ``hey`` connections on 2 workers, splits of 32/0, 25/7 and 1/31,
-so one core idled while the other queued (``docs/serving.md``). On Linux each worker therefore
-listens on a socket of its own, all bound to the address with ``SO_REUSEPORT``, and the kernel
-spreads connections over them by a hash of the client's address and port
-(:func:`reuseport_socket`).
+**Balanced connections**: on Linux each worker listens on a ``SO_REUSEPORT`` socket of its
+own, and the kernel spreads connections over them (:mod:`serving.sockets`).
 """
 
 from __future__ import annotations
@@ -37,8 +32,6 @@ import json
 import logging
 import os
 import signal
-import socket
-import sys
 from pathlib import Path
 from typing import IO
 
@@ -161,37 +154,3 @@ async def exit_with_parent(parent: int | None, interval_s: float = 1.0) -> None:
             return
         await asyncio.sleep(interval_s)
 
-
-def reuseport_supported() -> bool:
-    """``SO_REUSEPORT`` that balances (Linux >= 3.9; BSD and macOS accept the option but do not
-    spread connections)."""
-    return sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
-
-
-class ReusePortSocket(socket.socket):
-    """A bound ``SO_REUSEPORT`` socket that, handed to a spawned worker, arrives as a new socket
-    of that worker's own on the same address (instead of a duplicate of this one).
-
-    uvicorn's supervisor binds in the parent and pickles the socket into each spawned worker;
-    this ``__reduce__`` makes that transfer re-bind, so every worker listens on its own socket of
-    one ``SO_REUSEPORT`` group. The parent's socket only reserves the address: it never
-    listens, so the kernel never gives it a connection.
-    """
-
-    def __reduce__(self) -> tuple[object, tuple[int, str, int]]:
-        host, port = self.getsockname()[:2]
-        return reuseport_socket, (int(self.family), host, port)
-
-
-def reuseport_socket(family: int, host: str, port: int) -> ReusePortSocket:
-    """A socket bound to ``(host, port)`` with ``SO_REUSEADDR`` and ``SO_REUSEPORT``."""
-    sock = ReusePortSocket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock

@@ -518,20 +518,25 @@ class _Run:
             self.budget.pause()
         self.epoch += 1
         self.batch_in_epoch = 0
-        t_eval = time.perf_counter()
-        res = self.evaluate()
-        if self.budget is not None:  # what one evaluation costs, for the plan
-            self.budget.eval_s = time.perf_counter() - t_eval
         done = self.step >= self.total_steps
-        metrics = {**self._val_metrics(res), "epoch": self.epoch,
+        res = None
+        if self.epoch % r.eval_every == 0 or done:
+            t_eval = time.perf_counter()
+            res = self.evaluate()
+            if self.budget is not None:  # what one evaluation costs, for the plan
+                self.budget.eval_s = time.perf_counter() - t_eval
+        metrics = {**(self._val_metrics(res) if res is not None else {}), "epoch": self.epoch,
                    "time/epoch_s": time.perf_counter() - t_epoch}
         if self.mlrun is not None:
             self.mlrun.log_metrics(metrics, self.step)
-        self.progress.epoch(self.step, self.epoch - 1, val_loss=res.loss, val_acc=res.acc,
+        val = {} if res is None else {"val_loss": res.loss, "val_acc": res.acc}
+        self.progress.epoch(self.step, self.epoch - 1, **val,
                             epoch_time_s=metrics["time/epoch_s"])
-        log.info("epoch %d%s step %d: val_loss %.4f%s (%.0fs)", self.epoch,
-                 "" if self.budget is not None else f"/{r.epochs}", self.step, res.loss,
-                 "" if res.acc is None else f" val_acc {res.acc:.4f}", metrics["time/epoch_s"])
+        log.info("epoch %d%s step %d%s (%.0fs)", self.epoch,
+                 "" if self.budget is not None else f"/{r.epochs}", self.step,
+                 "" if res is None else f": val_loss {res.loss:.4f}"
+                 + ("" if res.acc is None else f" val_acc {res.acc:.4f}"),
+                 metrics["time/epoch_s"])
         if self.epoch % r.checkpoint_every == 0 or done:
             self._save("finished" if done else "running", run_id)
         if self.budget is not None:
@@ -571,7 +576,7 @@ class _Run:
     def _budget_replan(self) -> None:
         assert self.budget is not None
         spe = self.steps_per_epoch
-        planned = self.budget.observe(self.step, steps_per_eval=spe)
+        planned = self.budget.observe(self.step, steps_per_eval=spe * self.recipe.eval_every)
         if planned is None:
             return
         # every rank follows rank 0's plan (their clocks and rates differ slightly)

@@ -148,9 +148,26 @@ def attention_rollout(
 
     Each map sums to 1 over the ``N`` non-``[CLS]`` tokens (padding excluded, set to 0).
     """
-    joint = rollout_matrix(attn, head_fusion, residual)  # (B, T, T)
-    row = query_row(joint, query, attention_mask, num_prefix_tokens)[:, num_prefix_tokens:]
-    return to_grid(normalise_rows(row, attention_mask, num_prefix_tokens, 0), grid)
+    fused = fuse_heads(_as_5d(attn), head_fusion)  # (L, B, T, T)
+    return _rollout_map(fused, attention_mask, grid, num_prefix_tokens, residual, query)
+
+
+def _rollout_map(fused: Tensor, attention_mask: Tensor | None, grid: tuple[int, int] | None,
+                 n: int, residual: bool, query: Query) -> Tensor:
+    """:func:`attention_rollout` from head-fused weights ``(L, B, T, T)``. Only one row of
+    ``R`` is read, so it is carried as a row vector from the last layer down,
+    ``q^T A_L ... A_1`` (L vector-matrix products instead of L matrix products; the same
+    numbers as :func:`rollout_matrix`'s row, tested)."""
+    L, B, T, _ = fused.shape
+    v = query_row(torch.eye(T, dtype=fused.dtype, device=fused.device).expand(B, T, T),
+                  query, attention_mask, n)  # (B, T): the query's weights over the rows
+    eye = torch.eye(T, dtype=fused.dtype, device=fused.device)
+    for layer in reversed(fused):  # last layer first: v^T A_L, then (v^T A_L) A_{L-1}, ...
+        if residual:
+            layer = layer + eye
+        layer = layer / layer.sum(dim=-1, keepdim=True).clamp_min(1e-12)  # (B, T, T)
+        v = torch.bmm(v[:, None, :], layer)[:, 0]  # (B, T)
+    return to_grid(normalise_rows(v[:, n:], attention_mask, n, 0), grid)
 
 
 def layer_maps(
@@ -163,9 +180,14 @@ def layer_maps(
 ) -> Tensor:
     """Per layer, the ``[CLS]`` (or mean token) row of the head-fused weights: ``(B, L, N)``
     or ``(B, L, gh, gw)``; each map sums to 1 over the non-``[CLS]`` tokens."""
-    a = fuse_heads(_as_5d(attn), head_fusion).transpose(0, 1)  # (B, L, T, T)
-    rows = query_row(a, query, attention_mask, num_prefix_tokens)[..., num_prefix_tokens:]
-    return to_grid(normalise_rows(rows, attention_mask, num_prefix_tokens, 1), grid)
+    fused = fuse_heads(_as_5d(attn), head_fusion)  # (L, B, T, T)
+    return _layer_maps(fused, attention_mask, grid, num_prefix_tokens, query)
+
+
+def _layer_maps(fused: Tensor, attention_mask: Tensor | None, grid: tuple[int, int] | None,
+                n: int, query: Query) -> Tensor:
+    rows = query_row(fused.transpose(0, 1), query, attention_mask, n)[..., n:]  # (B, L, N)
+    return to_grid(normalise_rows(rows, attention_mask, n, 1), grid)
 
 
 def head_maps(
@@ -204,10 +226,13 @@ def compute_attention_maps(
     """Rollout + per-layer maps (+ per-head maps if ``with_heads``) in one call; ``query``:
     the model's pooling (``cls`` or ``mean``)."""
     n = num_prefix_tokens
+    a = _as_5d(attn)
+    fused = fuse_heads(a, head_fusion)  # (L, B, T, T), shared by rollout and layers
     return AttentionMaps(
-        rollout=attention_rollout(attn, head_fusion, attention_mask, grid, n, query=query),
-        layers=layer_maps(attn, attention_mask, grid, n, query=query),
-        heads=head_maps(attn, attention_mask, grid, n, query=query) if with_heads else None,
+        rollout=_rollout_map(fused, attention_mask, grid, n, True, query),
+        layers=_layer_maps(fuse_heads(a) if head_fusion != "mean" else fused, attention_mask,
+                           grid, n, query),
+        heads=head_maps(a, attention_mask, grid, n, query=query) if with_heads else None,
     )
 
 

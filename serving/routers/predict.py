@@ -24,6 +24,7 @@ from serving.explanations import build_spec, check_explain_size
 from serving.inference import ImageInput, ImageJob, InferenceService, JobOutput, TextJob
 from serving.model_store import IMAGE_CONTENT_TYPES
 from serving.schemas import (
+    AttentionEncoding,
     AttentionKind,
     ImagePredictResponse,
     TextPredictRequest,
@@ -149,6 +150,9 @@ async def predict_image(
     target: Annotated[str | None, Query(
         max_length=200, description="class label or index to explain (relevance, "
         "faithfulness); default: the predicted class")] = None,
+    encoding: Annotated[AttentionEncoding, Query(
+        description="attention arrays as JSON lists (json) or base64 float16 (f16-base64)"
+    )] = AttentionEncoding.json,
 ) -> Response:
     """Multipart ``file`` field(s) or a raw ``image/png`` / ``image/jpeg`` body. Any size or
     mode; each image is converted to RGB, resized to the model's input size and normalised with
@@ -168,7 +172,8 @@ async def predict_image(
     else:  # large images: decode in the thread pool (PIL releases the GIL)
         inputs = await run_in_threadpool(_decode_all, items, settings.max_image_pixels)
     service.observe(name, "decode", time.perf_counter() - t0)
-    out = await service.predict(name, ImageJob(inputs, top_k, spec, overlay))
+    out = await service.predict(name, ImageJob(inputs, top_k, spec, overlay,
+                                               encoding is AttentionEncoding.f16_base64))
     return _respond(service, name, ImagePredictResponse, out)
 
 
@@ -199,5 +204,6 @@ async def predict_text(
     served = loaded_model(store, name, "text")
     spec = build_spec(body.attention, body.faithfulness, body.target, served.class_names)
     check_explain_size(spec, len(texts), settings.max_explain_items, "texts")
-    out = await service.predict(name, TextJob(texts, body.top_k, spec))
+    out = await service.predict(name, TextJob(texts, body.top_k, spec,
+                                              body.encoding is AttentionEncoding.f16_base64))
     return _respond(service, name, TextPredictResponse, out)

@@ -224,3 +224,4 @@ def test_openapi_documents_every_route(client) -> None:
     for name in ("ModelInfo", "Prediction", "ImageAttention", "TextResult", "ModelsResponse",
                  "ReadyResponse", "ErrorResponse"):
         assert name in spec["components"]["schemas"]
+

@@ -58,6 +58,27 @@ def test_attention_levels(client, image_bytes) -> None:
     assert [p["index"] for p in none["predictions"]] == [p["index"] for p in heads["predictions"]]
 
 
+def _decode_f16(a: dict) -> np.ndarray:
+    assert set(a) == {"dtype", "shape", "data"} and a["dtype"] == "float16"
+    return np.frombuffer(base64.b64decode(a["data"]), "<f2").reshape(a["shape"])
+
+
+def test_f16_base64_encoding_holds_the_same_maps(client, image_bytes) -> None:
+    data = image_bytes(seed=4)
+    ask = {"attention": ["heads", "relevance"]}
+    plain = _post_png(client, data, **ask).json()["results"][0]["attention"]
+    enc = _post_png(client, data, **ask, encoding="f16-base64").json()["results"][0]
+    att = enc["attention"]
+    assert att["grid"] == plain["grid"] and att["target"] == plain["target"]
+    for key, shape in (("rollout", (4, 4)), ("layers", (2, 4, 4)), ("heads", (2, 2, 4, 4)),
+                       ("relevance", (4, 4))):
+        got = _decode_f16(att[key])
+        assert got.shape == shape, key
+        np.testing.assert_allclose(got, np.array(plain[key]), rtol=2e-3, atol=1e-4)
+    r = _post_png(client, data, encoding="f32")
+    assert r.status_code == 422
+
+
 def test_default_top_k_and_cap_at_number_of_classes(client, image_bytes) -> None:
     assert len(_post_png(client, image_bytes()).json()["results"][0]["predictions"]) == 5
     preds = _post_png(client, image_bytes(), top_k=50).json()["results"][0]["predictions"]

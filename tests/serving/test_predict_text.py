@@ -89,3 +89,23 @@ def test_text_errors(client) -> None:
     r = client.post(TEXT, content=b'{"text": "ok"}')  # no content type
     assert r.status_code == 415
     assert client.post(TEXT, json={"text": "still works"}).status_code == 200
+
+
+def test_f16_base64_encoding_of_text_maps_is_cut_to_the_real_tokens(client) -> None:
+    import base64
+
+    texts = ["dull", "i loved every minute of this wonderful movie"]
+    ask = {"text": texts, "attention": "heads"}
+    plain = client.post(TEXT, json=ask).json()["results"]
+    enc = client.post(TEXT, json={**ask, "encoding": "f16-base64"}).json()["results"]
+    for p, e in zip(plain, enc, strict=True):
+        n = len(p["tokens"])
+        for key, shape in (("rollout", (n,)), ("layers", (2, n)), ("heads", (2, 2, n))):
+            a = e["attention"][key]
+            got = np.frombuffer(base64.b64decode(a["data"]), "<f2").reshape(a["shape"])
+            assert got.shape == shape, key
+            np.testing.assert_allclose(got, np.array(p["attention"][key]), rtol=2e-3,
+                                       atol=1e-4)
+    r = client.post(TEXT, json={**ask, "encoding": "f32"})
+    assert r.status_code == 422
+

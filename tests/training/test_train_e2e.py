@@ -202,3 +202,20 @@ def test_missing_data_is_a_clear_error_with_exit_code_2(
     assert rc == 2 and "No CIFAR-10 data found" in err and "Traceback" not in err
     rc = main(["train", "cifar10-smoke", "--set", "optim.lrr=1"])
     assert rc == 2 and "optim.lrr: unknown key" in capsys.readouterr().err
+
+
+def test_eval_every_skips_intermediate_validation_but_not_the_last(
+        tmp_path: Path, data_dir: Path, run_cli, mlflow_db) -> None:
+    uri = mlflow_db(tmp_path)
+    env = {"VIT_SERVICE_HOME": str(tmp_path / "home"), **QUIET,
+           "VIT_SERVICE_CACHE_DIR": str(data_dir.parent / "cache")}
+    proc = run_cli(["train", "cifar10-smoke", "--data-dir", str(data_dir), "--tracking-uri", uri,
+                    "--no-register", "--set", "epochs=3", "--set", "eval_every=2"], env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = progress_events(proc.stdout)
+    epochs = [e for e in events if e["event"] == "epoch"]
+    assert [e["epoch"] for e in epochs] == [0, 1, 2]
+    assert ["val_acc" in e for e in epochs] == [False, True, True]  # 2nd, and the last
+    assert events[-1]["val_acc"] == epochs[-1]["val_acc"]
+    history = mlflow_client(uri).get_metric_history(events[0]["mlflow_run_id"], "val/acc")
+    assert [m.step for m in history] == [epochs[1]["step"], epochs[2]["step"]]

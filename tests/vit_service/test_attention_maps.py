@@ -42,6 +42,25 @@ def test_rollout_matches_the_abnar_zuidema_formula() -> None:
     torch.testing.assert_close(attention_rollout(attn)[0], cls)
 
 
+@pytest.mark.parametrize("fusion", ["mean", "max"])
+@pytest.mark.parametrize("query", ["cls", "mean"])
+@pytest.mark.parametrize("residual", [True, False])
+def test_rollout_row_equals_the_row_of_the_joint_matrix(fusion: str, query: str,
+                                                        residual: bool) -> None:
+    from vit_service.attention_maps import normalise_rows, query_row
+
+    attn = _random_attn(L=4, B=3, H=2, T=7, seed=1)
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [1] * 6 + [0]], dtype=torch.bool)
+    joint = rollout_matrix(attn, head_fusion=fusion, residual=residual)  # (B, T, T)
+    want = normalise_rows(query_row(joint, query, mask, 1)[:, 1:], mask, 1, 0)
+    got = attention_rollout(attn, fusion, mask, residual=residual, query=query)
+    torch.testing.assert_close(got, want)
+    maps = compute_attention_maps(attn, mask, head_fusion=fusion, query=query)
+    if residual:
+        torch.testing.assert_close(maps.rollout, want)
+    torch.testing.assert_close(maps.layers, layer_maps(attn, mask, query=query))
+
+
 def test_single_layer_rollout_equals_the_layer_map() -> None:
     # with one layer, 0.5 W + 0.5 I only changes the CLS->CLS entry, which is dropped
     attn = _random_attn(L=1)

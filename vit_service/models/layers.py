@@ -106,6 +106,8 @@ class Attention(nn.Module):
             out = torch.cat([head, rest])  # (B, H, T, D)
         else:
             out, weights = self._explicit(q, k, v, bias, dead)
+            if weight_rows is not None:
+                weights = weights[:weight_rows]  # (R, H, T, T)
         if dead is not None:
             out = out.masked_fill(dead, 0.0)  # fully-masked queries attend to nothing
         out = out.transpose(1, 2).reshape(B, T, C)  # (B, T, C)

@@ -86,6 +86,10 @@ def test_weights_for_leading_rows_only_agree_with_the_explicit_path(
     assert w is not None and w.shape == (rows, 4, 10, 10)
     torch.testing.assert_close(w, w_full[:rows])
     torch.testing.assert_close(out, full, atol=1e-5, rtol=0)  # fused rows give the same out
+    attn.fused_attn = False  # all explicit: still only the rows asked for
+    out2, w2 = attn(x, key_padding_mask=mask, causal=causal, weight_rows=rows)
+    assert w2 is not None and w2.shape == (rows, 4, 10, 10)
+    torch.testing.assert_close(out2, full)
 
 
 @pytest.mark.parametrize("fused", [True, False])
