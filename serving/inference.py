@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 
 from serving.batching import MicroBatcher
+from serving.compiled import eager_forwards
 from serving.errors import InvalidRequestError, ModelNotLoadedError
 from serving.explanations import ExplainSpec, faithfulness_dict, scored_maps
 from serving.metrics import ServingMetrics
@@ -161,6 +162,7 @@ def _forward(model: LoadedModel, jobs: Sequence[Job], idxs: list[int], path: int
              clock: _Clock) -> Forward:
     """Run one group through the model's fused, explicit or gradient path."""
     net = model.bundle.model
+    fwd = model.forwards or eager_forwards(net)  # traced when the store could (checked)
     heads = any(jobs[i].spec.heads for i in idxs)
     rel = target = None
     with torch.inference_mode():
@@ -168,9 +170,9 @@ def _forward(model: LoadedModel, jobs: Sequence[Job], idxs: list[int], path: int
             ex = explain(net, inputs, _targets(jobs, idxs), mask, model.grid, model.query)
             logits, attn, rel, target = ex.logits, ex.attn, ex.relevance, ex.target
         elif path == 1:
-            logits, attn = net.forward_with_attention(*inputs)  # attn (L, B, H, T, T)
+            logits, attn = fwd.with_attention(*inputs)  # attn (L, B, H, T, T)
         else:
-            logits, attn = net(*inputs), None
+            logits, attn = fwd.plain(*inputs), None
         probs = logits.float().softmax(-1)  # (B, K)
         clock.lap("relevance" if path == 2 else "forward")
         maps = None if attn is None else compute_attention_maps(

@@ -30,6 +30,7 @@ from typing import Any
 
 from mlflow import MlflowClient
 
+from serving.compiled import Forwards, eager_forwards, trace_forwards
 from serving.metrics import ServingMetrics
 from vit_service import tracking
 from vit_service.bundle import META, WEIGHTS, ModelBundle, load_bundle
@@ -69,6 +70,7 @@ class LoadedModel:
     run_url: str | None
     loaded_at: datetime
     load_seconds: float
+    forwards: Forwards | None = None  # traced serving forwards (None: the eager model's)
 
     @property
     def version(self) -> str | None:
@@ -276,10 +278,13 @@ class ModelStore:
         set_fused_attn(bundle.model, True)  # fast path unless attention maps are asked for
         for p in bundle.model.parameters():
             p.requires_grad_(False)
+        forwards = (trace_forwards(bundle.model, bundle.meta.task, bundle.meta.preprocess, name)
+                    if self.settings.trace_forwards else eager_forwards(bundle.model))
         return LoadedModel(
             name=name, source=source, bundle=bundle, resolved=resolved,
             run_url=self._run_url(resolved.run_id),
             loaded_at=datetime.now(timezone.utc), load_seconds=time.perf_counter() - start,
+            forwards=forwards,
         )
 
     def _run_url(self, run_id: str | None) -> str | None:

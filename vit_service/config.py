@@ -67,6 +67,9 @@ class Settings(BaseSettings):
         True, description="/readyz: every configured model loaded (else: at least one)"
     )
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
+    trace_forwards: bool = Field(
+        True, description="serve TorchScript traces of the model's forwards, checked against "
+        "the eager model at load (serving/compiled.py); false: always eager")
     workers: int | None = Field(
         None, ge=1, le=64, description="`vit-service serve` processes; default: one per core, "
         "at most 4 (serving/workers.py: one leader, one model version per home)"

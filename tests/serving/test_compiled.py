@@ -1,0 +1,60 @@
+"""``serving.compiled``: traced serving forwards equal the eager model, or are not used."""
+
+import torch
+from torch import nn
+
+from serving.compiled import trace_forwards
+from vit_service.models import create_model
+
+
+def _frozen(m: nn.Module) -> nn.Module:
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m.eval()
+
+
+def test_traced_vit_and_text_forwards_equal_the_eager_model_at_other_sizes() -> None:
+    torch.manual_seed(0)
+    vit = _frozen(create_model("vit_test", tta_flip=True, pool="mean"))
+    f = trace_forwards(vit, "image", {"image_size": 32})
+    assert f.traced
+    x = torch.randn(9, 3, 32, 32)  # traced at 3, checked at 3 and 5
+    with torch.inference_mode():
+        torch.testing.assert_close(f.plain(x), vit(x))
+        logits, attn = f.with_attention(x)
+        want_logits, want_attn = vit.forward_with_attention(x)
+    torch.testing.assert_close(logits, want_logits)
+    torch.testing.assert_close(attn, want_attn)
+
+    text = _frozen(create_model("text_test", vocab_size=50, max_len=32))
+    f = trace_forwards(text, "text", {"max_len": 32})
+    assert f.traced
+    ids = torch.randint(5, 50, (4, 20))
+    mask = torch.arange(20)[None] < torch.tensor([20, 13, 2, 7])[:, None]
+    ids = ids.masked_fill(~mask, 0)
+    with torch.inference_mode():
+        torch.testing.assert_close(f.plain(ids, mask), text(ids, mask))
+        torch.testing.assert_close(f.with_attention(ids, mask)[1],
+                                   text.forward_with_attention(ids, mask)[1])
+
+
+class _BranchesOnBatch(nn.Module):
+    """Python control flow on the batch size: a trace freezes the branch it saw."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1)[:, :4] * (2.0 if x.shape[0] > 3 else 1.0)
+
+    def forward_with_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self(x), x.new_zeros(1, x.shape[0], 1, 2, 2)
+
+
+class _Broken(_BranchesOnBatch):
+    def forward_with_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError("no attention here")
+
+
+def test_a_trace_that_disagrees_or_fails_falls_back_to_the_eager_model() -> None:
+    for model in (_BranchesOnBatch(), _Broken()):
+        f = trace_forwards(model.eval(), "image", {"image_size": 8}, "tricky")
+        assert not f.traced
+        assert f.plain is model  # eager: the same answers as without tracing
