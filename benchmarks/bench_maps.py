@@ -37,6 +37,7 @@ def _module_at(rev: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location("attention_maps_baseline", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 

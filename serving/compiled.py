@@ -2,10 +2,10 @@
 
 Why: a worker's inference thread shares the GIL with its event loop, and eager PyTorch takes the
 GIL back after every op (a 6-layer ViT forward is a few hundred of them). Measured on the shipped
-``cifar10-vit-cpu`` model, batch 8, one thread (``docs/serving.md``, "Traced forwards"): eager
-fused / explicit-attention 55.8 / 58.8 ms alone and 69.4 / 81.2 ms beside a thread doing Python
-work; traced 44.4 / 44.1 ms alone and 49.5 / 53.2 ms beside it. A traced graph runs its ops in
-C++ without going back to Python between them.
+``cifar10-vit-cpu`` model, batch 8, one thread (``benchmarks/bench_traced.py``; docs/serving.md,
+"Traced forwards"): eager fused / attention 57.6 / 62.8 ms alone and 68.7 / 77.2 ms beside a
+thread doing Python work; traced 52.5 / 51.3 ms alone and 42.8 / 52.0 ms beside it. A traced
+graph runs its ops in C++ without going back to Python between them.
 
 Both serving paths are traced (the fused forward, and ``forward_with_attention``, which returns
 the weights of the same pass); relevance (a backward pass) stays eager. The traces are checked

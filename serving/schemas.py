@@ -90,7 +90,7 @@ class AttentionEncoding(str, Enum):
     """How the attention arrays (``rollout``, ``layers``, ``heads``, ``relevance``) are written.
 
     ``json``: nested lists of floats. ``f16-base64``: each array is one
-    :class:`EncodedArray`, IEEE half floats (little-endian, row-major) in base64: ~8x smaller
+    :class:`EncodedArray`, IEEE half floats (little-endian, row-major) in base64: ~7x smaller
     than the lists (~3 significant digits, plenty for a map that sums to 1), no float
     formatting on either side. Decode with
     ``np.frombuffer(base64.b64decode(a["data"]), "<f2").reshape(a["shape"])``.
