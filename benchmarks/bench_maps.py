@@ -18,13 +18,13 @@ import importlib.util
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import torch
 from PIL import Image
+from timing import ms_per_call  # benchmarks/timing.py (run as a script)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,14 +40,6 @@ def _module_at(rev: str) -> ModuleType:
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
-
-
-def _ms(fn, n: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - start) / n * 1000
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, imgs in inputs.items():
         cells = []
         for mod in mods.values():
-            ms = np.mean([_ms(lambda im=im, m=mod: m.overlay_heatmap(im, heat), 3)
+            ms = np.mean([ms_per_call(lambda im=im, m=mod: m.overlay_heatmap(im, heat), 3)
                           for im in imgs])
             kb = np.mean([len(mod.overlay_heatmap(im, heat)) for im in imgs]) / 1024
             cells.append(f"{ms:.1f} ms, {kb:.0f} KB")
@@ -84,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         attn = torch.rand(6, b, 4, 65, 65, generator=torch.Generator().manual_seed(b)).softmax(-1)
         cells = []
         for mod in mods.values():
-            ms = _ms(lambda m=mod, a=attn: m.compute_attention_maps(a, grid=(8, 8), query="mean"),
-                     30)
+            ms = ms_per_call(
+                lambda m=mod, a=attn: m.compute_attention_maps(a, grid=(8, 8), query="mean"),
+                30)
             cells.append(f"{ms:.2f} ms")
         print(f"| {b} | " + " | ".join(cells) + " |")
     return 0

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from timing import ms_per_call  # benchmarks/timing.py (run as a script)
 
 
 def _busy(stop: threading.Event) -> None:
@@ -25,15 +26,6 @@ def _busy(stop: threading.Event) -> None:
         while time.perf_counter() - t < 0.001:
             sum(range(200))
         time.sleep(0.001)
-
-
-def _ms(fn, n: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - start) / n * 1000
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
             th = threading.Thread(target=_busy, args=(stop,), daemon=True)
             if mode != "alone":
                 th.start()
-            print(f"| {mode} | " + " | ".join(f"{_ms(f):.1f}" for f in fns.values()) + " |")
+            cells = [f"{ms_per_call(f, 30, warmup=3):.1f}" for f in fns.values()]
+            print(f"| {mode} | " + " | ".join(cells) + " |")
             stop.set()
     return 0
 

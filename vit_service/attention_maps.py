@@ -159,9 +159,8 @@ def _rollout_map(fused: Tensor, attention_mask: Tensor | None, grid: tuple[int, 
     ``q^T A_L ... A_1`` (L vector-matrix products instead of L matrix products; the same
     numbers as :func:`rollout_matrix`'s row, tested)."""
     L, B, T, _ = fused.shape
-    v = query_row(torch.eye(T, dtype=fused.dtype, device=fused.device).expand(B, T, T),
-                  query, attention_mask, n)  # (B, T): the query's weights over the rows
     eye = torch.eye(T, dtype=fused.dtype, device=fused.device)
+    v = query_row(eye.expand(B, T, T), query, attention_mask, n)  # (B, T): the query's weights
     for layer in reversed(fused):  # last layer first: v^T A_L, then (v^T A_L) A_{L-1}, ...
         if residual:
             layer = layer + eye
