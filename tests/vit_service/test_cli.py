@@ -1,0 +1,54 @@
+"""The console entry point ``vit_service.cli:run``: exits without the interpreter's module
+teardown, but keeps what a normal exit does that matters (exit code, atexit handlers, flushed
+output, joined threads); and ``process_started_at`` dates the process's start."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_run_keeps_the_exit_code_output_atexit_handlers_and_threads(tmp_path: Path) -> None:
+    mark, joined = tmp_path / "atexit", tmp_path / "thread"
+    code = f"""
+import atexit, sys, threading, time
+from pathlib import Path
+atexit.register(lambda: Path({str(mark)!r}).write_text("ran"))
+threading.Thread(target=lambda: (time.sleep(0.3), Path({str(joined)!r}).write_text("done"))
+                 ).start()
+sys.argv = ["vit-service", "recipes"]
+sys.stdout.write("x" * 100000)  # more than a pipe buffer, not yet flushed
+from vit_service.cli import run
+run()
+print("not reached")
+"""
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("x" * 100000)
+    assert "cifar10-vit-cpu" in proc.stdout and "not reached" not in proc.stdout
+    assert mark.read_text() == "ran" and joined.read_text() == "done"
+
+
+def test_run_passes_a_failing_commands_exit_code() -> None:
+    proc = _python('import sys; sys.argv = ["vit-service", "recipes", "show", "no-such-recipe"]\n'
+                   "from vit_service.cli import run; run()")
+    assert proc.returncode not in (0, None), proc.stdout
+    assert "no-such-recipe" in proc.stderr
+
+
+def test_process_started_at_counts_the_time_before_it_was_called() -> None:
+    t0 = time.monotonic()
+    proc = _python("import time; time.sleep(1.0)\n"
+                   "from training.cli import process_started_at\n"
+                   "print(time.monotonic() - process_started_at())")
+    wall = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr
+    age = float(proc.stdout)
+    assert 1.0 <= age <= wall, (age, wall)
