@@ -214,12 +214,6 @@ class BudgetPlanner:
             self._paused += self.clock() - self._pause_t
             self._pause_t = None
 
-    def reset_rate(self) -> None:
-        """The step cost changed (e.g. patch dropout switched off): forget the measured rate,
-        so the next plan comes from the new steps alone (after 3 of them)."""
-        self._marks.clear()
-        self._last_plan = -math.inf
-
     def time_left(self) -> float:
         return self.deadline - self.reserve_s - self.clock()
 

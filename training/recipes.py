@@ -262,10 +262,6 @@ class Recipe(_Strict):
     checkpoint_every: int = Field(
         1, ge=1, description="epochs between checkpoints (also written on stop, signal, end)"
     )
-    patch_dropout_until: float = Field(
-        1.0, gt=0, le=1, description="share of the run's updates that drop patch tokens (the "
-        "model's patch_dropout); the updates after it see every token, as evaluation and "
-        "serving do (1: dropout throughout)")
     eval_every: int = Field(
         1, ge=1, description="epochs between validation passes; the last one always runs (in a "
         "budget each pass costs training time: ~20 s of a 30-min CPU run)")

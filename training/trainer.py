@@ -486,7 +486,6 @@ class _Run:
                     return "stopped"
                 if any_true(self.stop.signum is not None, self.dist):
                     return "interrupted"
-                self._patch_dropout_phase(run_id)
                 t0 = time.perf_counter()
                 batch = self.task.train_batch(self.epoch, self.batch_in_epoch)
                 t_data = time.perf_counter() - t0
@@ -542,23 +541,6 @@ class _Run:
             self._save("finished" if done else "running", run_id)
         if self.budget is not None:
             self.budget.resume()
-
-    def _patch_dropout_phase(self, run_id: str | None) -> None:
-        """``patch_dropout_until``: once that share of the planned updates is done, the model
-        trains on every patch token, as it is evaluated and served (latched: a budget re-plan
-        that moves the end later does not switch it back on)."""
-        until = self.recipe.patch_dropout_until
-        if until >= 1 or getattr(self.model, "patch_dropout", 0.0) <= 0:
-            return
-        if self.step < until * self.total_steps:
-            return
-        self.model.patch_dropout = 0.0
-        log.info("patch dropout off from step %d of %d (patch_dropout_until %.2f)",
-                 self.step, self.total_steps, until)
-        if self.budget is not None:
-            self.budget.reset_rate()  # full-token steps are slower: re-measure from here
-        if self.mlrun is not None:
-            self.mlrun.log_metrics({"train/patch_dropout": 0.0}, self.step)
 
     # ------------------------------------------------------------------ budget
 

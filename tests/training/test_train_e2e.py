@@ -219,31 +219,3 @@ def test_eval_every_skips_intermediate_validation_but_not_the_last(
     assert events[-1]["val_acc"] == epochs[-1]["val_acc"]
     history = mlflow_client(uri).get_metric_history(events[0]["mlflow_run_id"], "val/acc")
     assert [m.step for m in history] == [epochs[1]["step"], epochs[2]["step"]]
-
-
-def test_patch_dropout_until_trains_the_last_updates_on_every_token(
-        env: dict, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``patch_dropout_until 0.5``: the first half of the updates see a share of the patch
-    tokens, the second half all of them (latched), and the model's config keeps its rate."""
-    from vit_service.models.vit import ViT
-
-    tokens: list[int] = []  # tokens per training forward
-    real = ViT.forward_features
-
-    def spy(self, x, *a, **k):
-        out = real(self, x, *a, **k)
-        if self.training:
-            tokens.append(out[0].shape[1])
-        return out
-
-    monkeypatch.setattr(ViT, "forward_features", spy)
-    recipe = load_recipe("cifar10-smoke", {  # vit_test: 16 patches of 8x8
-        "model.overrides.patch_dropout": 0.5, "patch_dropout_until": 0.5})
-    res = train(recipe, data_dir=data_dir, run_name="pd-until", settings=Settings(),
-                register=False)
-    assert res.status == "finished" and res.step == 24
-    assert tokens == [1 + 8] * 12 + [1 + 16] * 12  # half the patches, then all of them
-    assert load_checkpoint(res.checkpoint)["model_config"]["patch_dropout"] == 0.5
-    history = mlflow_client(env["MLFLOW_TRACKING_URI"]).get_metric_history(
-        res.mlflow_run_id, "train/patch_dropout")
-    assert [(m.step, m.value) for m in history] == [(12, 0.0)]

@@ -109,9 +109,6 @@ class ViT(nn.Module):
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
         self.config = c = config
-        # the rate in use: the config's, until a trainer switches it off for the last updates
-        # (recipe ``patch_dropout_until``); the config keeps what the model was built with
-        self.patch_dropout = c.patch_dropout
         self.patch_embed: nn.Module = (
             PatchEmbed(c.patch_size, c.in_chans, c.embed_dim) if c.stem == "patch"
             else ConvStem(c.patch_size, c.in_chans, c.embed_dim, c.stem_width))
@@ -172,7 +169,7 @@ class ViT(nn.Module):
         the first ``weight_rows`` images'). ``leaf_tokens``: the autograd graph starts at the
         embedded tokens (parameters are never part of it)."""
         x = self.embed(x)
-        if self.training and self.patch_dropout > 0:
+        if self.training and self.config.patch_dropout > 0:
             x = self._drop_patches(x)
         if leaf_tokens:
             x = x.detach().requires_grad_()
@@ -188,7 +185,7 @@ class ViT(nn.Module):
         N)`` of the patch tokens per image (positions were added already, so order is free)."""
         n = self.num_prefix_tokens
         B, T, D = x.shape
-        keep = max(1, round((1 - self.patch_dropout) * (T - n)))
+        keep = max(1, round((1 - self.config.patch_dropout) * (T - n)))
         idx = torch.rand(B, T - n, device=x.device).argsort(dim=1)[:, :keep]  # (B, K)
         patches = x[:, n:].gather(1, idx[..., None].expand(B, keep, D))  # (B, K, D)
         return torch.cat([x[:, :n], patches], dim=1)
