@@ -38,6 +38,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    "4); each serves every model with cores/N torch threads")
     p.add_argument("--max-batch-size", type=int, default=None)
     p.add_argument("--max-wait-ms", type=float, default=None)
+    p.add_argument("--adaptive-wait", action=argparse.BooleanOptionalAction, default=None,
+                   help="wait --max-wait-ms only while requests arrive at least that often "
+                   "(default: on; VIT_SERVICE_ADAPTIVE_WAIT)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -46,7 +49,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {}
     for arg, key in (("host", "host"), ("port", "port"), ("reload_interval", "reload_interval_s"),
                      ("max_batch_size", "max_batch_size"), ("max_wait_ms", "max_wait_ms"),
-                     ("workers", "workers")):
+                     ("adaptive_wait", "adaptive_wait"), ("workers", "workers")):
         value = getattr(args, arg, None)
         if value is not None:
             overrides[key] = value
@@ -88,6 +91,7 @@ def run_api(settings: Settings, log_level: str) -> None:
            "VIT_SERVICE_RELOAD_INTERVAL_S": str(settings.reload_interval_s),
            "VIT_SERVICE_MAX_BATCH_SIZE": str(settings.max_batch_size),
            "VIT_SERVICE_MAX_WAIT_MS": str(settings.max_wait_ms),
+           "VIT_SERVICE_ADAPTIVE_WAIT": str(settings.adaptive_wait).lower(),
            "VIT_SERVICE_TORCH_THREADS": str(
                settings.torch_threads or max(1, (os.cpu_count() or 1) // workers))}
     if settings.tracking_uri:

@@ -368,6 +368,7 @@ class InferenceService:
             b = MicroBatcher(
                 name, lambda jobs, name=name: self._process(name, jobs), self.executor,
                 self.settings.max_batch_size, self.settings.max_wait_ms, on_batch, on_wait,
+                adaptive=self.settings.adaptive_wait,
             )
             self._batchers[name] = b
         return b

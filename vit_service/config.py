@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     max_wait_ms: float = Field(
         2.0, ge=0, description="how long a batch waits for more requests after the first"
     )
+    adaptive_wait: bool = Field(
+        True, description="wait max_wait_ms only while requests arrive at least that often "
+        "(serving/batching.py); false: every batch waits the whole window")
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1, description="request body limit")
     max_image_pixels: int = Field(
         4096 * 4096, ge=1, description="width*height limit per image (decompression bombs)"

@@ -75,6 +75,62 @@ def test_batcher_waits_at_most_max_wait() -> None:
     assert 0.04 < _run(main()) < 1.0
 
 
+def test_adaptive_wait_sends_a_lone_request_at_once_and_still_batches_a_dense_stream() -> None:
+    seen: list[int] = []
+
+    def process(jobs: list[int]) -> list[int]:
+        seen.append(len(jobs))
+        return jobs
+
+    async def main() -> tuple[float, float, list[float]]:
+        with ThreadPoolExecutor(1) as ex:
+            b = MicroBatcher("t", process, ex, max_batch_size=64, max_wait_ms=200,
+                             adaptive=True)
+            t = time.perf_counter()
+            await b.submit(0, 1)  # nothing came before it: no reason to wait
+            lone = time.perf_counter() - t
+            await asyncio.sleep(0.4)
+            t = time.perf_counter()
+            await b.submit(1, 1)  # one request at a time, 0.4 s apart: still no wait
+            spaced = time.perf_counter() - t
+            # a dense stream (a submission every ~2 ms): the window opens and batches fill
+            tasks = []
+            for i in range(30):
+                tasks.append(asyncio.create_task(b.submit(10 + i, 1)))
+                await asyncio.sleep(0.002)
+            assert await asyncio.gather(*tasks) == list(range(10, 40))
+            windows = [b.wait_window_s()]
+            for i in range(4):  # the stream thins out: the window closes again
+                await asyncio.sleep(0.4)
+                await b.submit(100 + i, 1)
+            windows.append(b.wait_window_s())
+            await b.close()
+            return lone, spaced, windows
+
+    lone, spaced, windows = _run(main())
+    assert lone < 0.1 and spaced < 0.1  # the fixed window would have held each for 0.2 s
+    assert seen[:2] == [1, 1]
+    stream = seen[2:-4]
+    assert sum(stream) == 30 and len(stream) <= 5, seen  # shared batches, not 30 forwards
+    assert windows == [0.2, 0.0]
+
+
+def test_fixed_wait_holds_a_lone_request_for_the_window() -> None:
+    async def main() -> float:
+        with ThreadPoolExecutor(1) as ex:
+            b = MicroBatcher("t", lambda jobs: jobs, ex, max_batch_size=8, max_wait_ms=120,
+                             adaptive=False)
+            await b.submit(0, 1)
+            await asyncio.sleep(0.3)
+            t = time.perf_counter()
+            await b.submit(1, 1)
+            elapsed = time.perf_counter() - t
+            await b.close()
+            return elapsed
+
+    assert 0.1 < _run(main()) < 1.0
+
+
 # --- through the app: concurrent requests share a forward pass, results unchanged ---------------
 
 

@@ -106,6 +106,9 @@ def test_serve_arguments(monkeypatch) -> None:
          "--model", "a=models:/a@champion", "--model", "b=/bundles/b"])
     s = settings_from_args(args)
     assert (s.port, s.reload_interval_s, s.max_wait_ms) == (9001, 5.0, 0.0)
+    assert s.adaptive_wait is True  # the default
+    args = build_parser().parse_args(["serve", "--no-adaptive-wait"])
+    assert settings_from_args(args).adaptive_wait is False
     assert s.models == {"a": "models:/a@champion", "b": "/bundles/b"}  # replaces the env's
     args = build_parser().parse_args(["serve"])
     assert settings_from_args(args).models == {"from-env": "/x"}
