@@ -103,10 +103,16 @@ def query_row(m: Tensor, query: Query, attention_mask: Tensor | None,
     rows = m[..., num_prefix_tokens:, :]  # (B, *extra, N, T)
     if attention_mask is None:
         return rows.mean(dim=-2)
-    w = attention_mask[:, num_prefix_tokens:].to(device=m.device, dtype=m.dtype)  # (B, N)
-    w = w / w.sum(-1, keepdim=True).clamp_min(1.0)
-    w = w.view(w.shape[0], *([1] * (m.ndim - 3)), w.shape[-1], 1)  # (B, *1, N, 1)
-    return (rows * w).sum(dim=-2)
+    w = mean_query_weights(attention_mask, num_prefix_tokens, m.dtype, m.device)  # (B, N)
+    w = w.view(w.shape[0], *([1] * (m.ndim - 3)), 1, w.shape[-1])  # (B, *1, 1, N)
+    return (w @ rows).squeeze(-2)  # a weighted sum of rows, without a (B, *extra, N, T) temp
+
+
+def mean_query_weights(attention_mask: Tensor, num_prefix_tokens: int, dtype: torch.dtype,
+                       device: torch.device) -> Tensor:
+    """``(B, N)``: 1 / (number of real tokens) on the real non-prefix tokens, 0 on padding."""
+    w = attention_mask[:, num_prefix_tokens:].to(device=device, dtype=dtype)  # (B, N)
+    return w / w.sum(-1, keepdim=True).clamp_min(1.0)
 
 
 def normalise_rows(
@@ -159,13 +165,22 @@ def _rollout_map(fused: Tensor, attention_mask: Tensor | None, grid: tuple[int, 
     ``q^T A_L ... A_1`` (L vector-matrix products instead of L matrix products; the same
     numbers as :func:`rollout_matrix`'s row, tested)."""
     L, B, T, _ = fused.shape
-    eye = torch.eye(T, dtype=fused.dtype, device=fused.device)
-    v = query_row(eye.expand(B, T, T), query, attention_mask, n)  # (B, T): the query's weights
+    v = fused.new_zeros(B, T)  # (B, T): the query's weights over the rows of R
+    if query == "cls":
+        v[:, 0] = 1.0
+    elif query == "mean":
+        v[:, n:] = (1.0 / max(T - n, 1) if attention_mask is None else
+                    mean_query_weights(attention_mask, n, fused.dtype, fused.device))
+    else:
+        raise ValueError(f"unknown query {query!r}; use cls or mean")
+    # Per layer v^T D^-1 (A + I) with D the row sums of A + I, computed as u^T A + u^T with
+    # u = v / rowsum: the same numbers without materialising A + I or its normalised copy
     for layer in reversed(fused):  # last layer first: v^T A_L, then (v^T A_L) A_{L-1}, ...
+        rowsum = layer.sum(dim=-1)  # (B, T)
+        u = v / (rowsum + 1.0 if residual else rowsum.clamp_min(1e-12))  # (B, T)
+        v = torch.bmm(u[:, None, :], layer)[:, 0]  # (B, T)
         if residual:
-            layer = layer + eye
-        layer = layer / layer.sum(dim=-1, keepdim=True).clamp_min(1e-12)  # (B, T, T)
-        v = torch.bmm(v[:, None, :], layer)[:, 0]  # (B, T)
+            v = v + u
     return to_grid(normalise_rows(v[:, n:], attention_mask, n, 0), grid)
 
 

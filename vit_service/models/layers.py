@@ -122,11 +122,18 @@ class Attention(nn.Module):
                   dead: Tensor | None) -> tuple[Tensor, Tensor]:
         scores = (q * self.scale) @ k.transpose(-2, -1)  # (B, H, T, T)
         if bias is not None:
-            scores = scores + bias
+            scores += bias  # in place: one (B, H, T, T) buffer fewer (matmul's backward
+            # needs q and k, not its output)
         weights = scores.softmax(dim=-1)  # (B, H, T, T)
-        if dead is not None:
-            weights = weights.masked_fill(dead, 0.0)
+        if dead is not None:  # in place unless autograd needs softmax's output (training)
+            weights = (weights.masked_fill(dead, 0.0) if torch.is_grad_enabled()
+                       else weights.masked_fill_(dead, 0.0))
         return self.attn_drop(weights) @ v, weights  # (B, H, T, D), (B, H, T, T)
+
+
+def stack_layers(attns: list[Tensor]) -> Tensor:
+    """Per-layer weights ``L x (B, H, T, T)`` -> ``(L, B, H, T, T)``; one layer is a view."""
+    return attns[0].unsqueeze(0) if len(attns) == 1 else torch.stack(attns)
 
 
 def _rows(t: Tensor | None, start: int, stop: int) -> Tensor | None:

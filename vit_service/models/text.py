@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from vit_service.models.layers import LN_EPS, Block
+from vit_service.models.layers import LN_EPS, Block, stack_layers
 from vit_service.models.pos_encoding import PosEncoding, register_pos_embed
 
 
@@ -142,4 +142,4 @@ class TextTransformer(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Logits ``(B, K)`` and attention ``(L, B, H, T, T)`` from one forward pass."""
         logits, attns, _ = self.attention_graph(input_ids, attention_mask, track=False)
-        return logits, torch.stack(attns)
+        return logits, stack_layers(attns)

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from vit_service.models.layers import LN_EPS, Block
+from vit_service.models.layers import LN_EPS, Block, stack_layers
 from vit_service.models.pos_encoding import PosEncoding, register_pos_embed, sinusoidal_table_2d
 
 
@@ -229,4 +229,4 @@ class ViT(nn.Module):
         """Logits ``(B, K)`` and attention ``(L, B, H, T, T)`` from one forward pass (with
         ``tta_flip``: the logits average both views, the attention is the given view's)."""
         logits, attns, _ = self.attention_graph(x, track=False)
-        return logits, torch.stack(attns)  # (L, B, H, T, T)
+        return logits, stack_layers(attns)  # (L, B, H, T, T)
