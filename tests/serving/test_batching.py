@@ -62,17 +62,23 @@ def test_batcher_errors_are_per_job_and_the_batcher_survives() -> None:
     _run(main())
 
 
-def test_batcher_waits_at_most_max_wait() -> None:
-    async def main() -> float:
+def test_fixed_wait_holds_every_lone_request_for_the_window_and_no_longer() -> None:
+    async def main() -> tuple[float, float]:
         with ThreadPoolExecutor(1) as ex:
-            b = MicroBatcher("t", lambda jobs: jobs, ex, max_batch_size=8, max_wait_ms=50)
+            b = MicroBatcher("t", lambda jobs: jobs, ex, max_batch_size=8, max_wait_ms=120,
+                             adaptive=False)
+            start = time.perf_counter()
+            await b.submit(0, 1)
+            first = time.perf_counter() - start
+            await asyncio.sleep(0.3)  # one request at a time: the fixed window still applies
             start = time.perf_counter()
             await b.submit(1, 1)
-            elapsed = time.perf_counter() - start
+            spaced = time.perf_counter() - start
             await b.close()
-            return elapsed
+            return first, spaced
 
-    assert 0.04 < _run(main()) < 1.0
+    first, spaced = _run(main())
+    assert 0.1 < first < 1.0 and 0.1 < spaced < 1.0
 
 
 def test_adaptive_wait_sends_a_lone_request_at_once_and_still_batches_a_dense_stream() -> None:
@@ -113,22 +119,6 @@ def test_adaptive_wait_sends_a_lone_request_at_once_and_still_batches_a_dense_st
     stream = seen[2:-4]
     assert sum(stream) == 30 and len(stream) <= 5, seen  # shared batches, not 30 forwards
     assert windows == [0.2, 0.0]
-
-
-def test_fixed_wait_holds_a_lone_request_for_the_window() -> None:
-    async def main() -> float:
-        with ThreadPoolExecutor(1) as ex:
-            b = MicroBatcher("t", lambda jobs: jobs, ex, max_batch_size=8, max_wait_ms=120,
-                             adaptive=False)
-            await b.submit(0, 1)
-            await asyncio.sleep(0.3)
-            t = time.perf_counter()
-            await b.submit(1, 1)
-            elapsed = time.perf_counter() - t
-            await b.close()
-            return elapsed
-
-    assert 0.1 < _run(main()) < 1.0
 
 
 # --- through the app: concurrent requests share a forward pass, results unchanged ---------------
