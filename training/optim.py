@@ -191,8 +191,13 @@ class BudgetPlanner:
 
     def __init__(self, budget_s: float, start: float, reserve_s: float,
                  warmup_steps: int = 5, replan_every_s: float = 20.0, window_s: float = 30.0,
-                 clock: Any = time.monotonic) -> None:
+                 clock: Any = time.monotonic,
+                 stages: list[tuple[float, float]] | None = None) -> None:
         self.budget_s, self.start, self.reserve_s = budget_s, start, reserve_s
+        # (end fraction of the run, relative step cost) per stage: progressive resizing makes
+        # the early steps cheaper; one stage of cost 1 = every step costs the same
+        self.stages = stages or [(1.0, 1.0)]
+        self._stage = 0
         self.deadline = start + budget_s
         self.warmup_steps, self.replan_every_s, self.clock = warmup_steps, replan_every_s, clock
         self.window_s = window_s
@@ -217,13 +222,21 @@ class BudgetPlanner:
     def time_left(self) -> float:
         return self.deadline - self.reserve_s - self.clock()
 
-    def observe(self, step: int, steps_per_eval: int | None = None) -> int | None:
+    def observe(self, step: int, steps_per_eval: int | None = None,
+                stage: int = 0) -> int | None:
         """Call after each update with the number of updates done. Returns a new planned
         total when it (re)plans, else None (``step`` itself: stop now). Measuring starts at
         update ``warmup_steps`` (or at the first call after a resume); the first plan comes
         after 3 measured updates. With ``steps_per_eval`` (an evaluation every so many
-        updates, ``eval_s`` each) the plan leaves room for the evaluations it implies."""
+        updates, ``eval_s`` each) the plan leaves room for the evaluations it implies.
+        ``stage``: the index in ``stages`` the run is in; a new stage is measured afresh."""
         now = self.clock()
+        stage = min(stage, len(self.stages) - 1)
+        if stage != self._stage:
+            self._stage, self._last_plan = stage, -math.inf
+            self._marks.clear()
+            self._marks.append((now - self._paused, step))
+            return None
         if not self._marks:
             if step >= self.warmup_steps:
                 self._marks.append((now - self._paused, step))
@@ -240,12 +253,33 @@ class BudgetPlanner:
         if self.planned_steps is not None and now - self._last_plan < every:
             return None
         self.rate = (step - s0) / max(1e-6, t_train - t0)
-        per_step = 1.0 / self.rate + (self.eval_s / steps_per_eval if steps_per_eval else 0.0)
-        self.planned_steps = step + max(0, int(left / per_step))
+        extra = self.eval_s / steps_per_eval if steps_per_eval else 0.0
+        self.planned_steps = self._fit(step, left, 1.0 / self.rate, extra)
         self._last_plan = now
         if self.first_plan is None:
             self.first_plan = {"steps": float(self.planned_steps), "steps_per_s": self.rate}
         return self.planned_steps
+
+    def _fit(self, step: int, left: float, per_step: float, extra: float) -> int:
+        """The largest total ``n`` whose remaining updates fit in ``left`` seconds, with
+        ``per_step`` measured in the current stage and each stage's cost relative to it."""
+        unit = per_step / self.stages[self._stage][1]  # seconds per unit of step cost
+
+        def seconds(n: int) -> float:  # updates step .. n-1, stage by stage
+            t, lo = 0.0, step
+            for j in range(self._stage, len(self.stages)):
+                end, cost = self.stages[j]
+                hi = n if j == len(self.stages) - 1 else max(lo, min(n, round(end * n)))
+                t += (hi - lo) * (unit * cost + extra)
+                lo = hi
+            return t
+
+        cheapest = unit * min(c for _, c in self.stages[self._stage:]) + extra
+        lo, hi = step, step + max(0, int(left / cheapest)) + 1  # seconds(hi) > left
+        while hi - lo > 1:  # bisection: seconds() grows with n
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if seconds(mid) <= left else (lo, mid)
+        return lo
 
     def state_dict(self) -> dict[str, Any]:
         return {"budget_s": self.budget_s, "used_s": self.clock() - self.start,

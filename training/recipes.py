@@ -137,6 +137,19 @@ class AugmentSpec(_Strict):
     token_dropout: float = Field(
         0.0, ge=0, lt=1, description="text, training only: each real token after [CLS] is "
         "hidden from attention and pooling with this probability (word dropout)")
+    resolution_schedule: list[tuple[float, int]] = Field(
+        default_factory=list, description="images, training only: [[until, size], ...]: the "
+        "steps before fraction `until` of the run see `size`-px images (downsampled after "
+        "augmentation; a smaller patch grid), full size after (progressive resizing); "
+        "`until` increasing in (0, 1)")
+
+    @model_validator(mode="after")
+    def _check_resolution_schedule(self) -> AugmentSpec:
+        ends = [u for u, _ in self.resolution_schedule]
+        if any(not 0 < u < 1 for u in ends) or ends != sorted(set(ends)):
+            raise ValueError("augment.resolution_schedule: `until` fractions must increase "
+                             f"strictly inside (0, 1), got {ends}")
+        return self
 
 
 class InitSpec(_Strict):
@@ -322,6 +335,8 @@ class Recipe(_Strict):
             if not 0 < round(n * (1 - self.mae.mask_ratio)) < n:
                 raise ValueError(f"mae.mask_ratio {self.mae.mask_ratio} leaves no visible or "
                                  f"no masked patch of {n}")
+        if self.augment.resolution_schedule:
+            self._check_resolution_schedule()
         if obj == "classify":
             expected = {"cifar10": "cifar10-vit", "imdb": "imdb-sentiment"}.get(
                 self.data.dataset)
@@ -333,6 +348,18 @@ class Recipe(_Strict):
                              f"register_as must be null for objective {obj} on "
                              f"{self.data.dataset} (fine-tune from its run: runs:/<id>)")
         return self
+
+    def _check_resolution_schedule(self) -> None:
+        if self.task != "image" or self.objective != "classify" or self.init.timm is not None:
+            raise ValueError("augment.resolution_schedule is for image classification with "
+                             "this project's ViT (not mae, text or init.timm)")
+        cfg = get_config(self.model.name, pos_encoding=self.model.pos_encoding,
+                         **self.model.overrides)
+        p, full = cfg.patch_size, self.data.image_size  # type: ignore[union-attr]
+        for _, size in self.augment.resolution_schedule:
+            if not p <= size < full or size % p:
+                raise ValueError(f"augment.resolution_schedule size {size}: must be a multiple "
+                                 f"of the patch size {p} and below data.image_size {full}")
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)

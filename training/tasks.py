@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from training.augment import CutMix, ImageAugment, normalize, smooth_one_hot, token_dropout
@@ -104,7 +105,8 @@ class Task:
         return np.array_split(np.arange(self.n_val), self.dist.world_size)[self.dist.rank]
 
     # subclass API
-    def train_batch(self, epoch: int, index: int) -> Batch:
+    def train_batch(self, epoch: int, index: int, size: int | None = None) -> Batch:
+        """Batch ``index`` of ``epoch``; ``size`` (images): downsample to ``size`` px."""
         raise NotImplementedError
 
     def val_batches(self, batch_size: int, all_ranks: bool = False) -> Iterator[Batch]:
@@ -227,9 +229,11 @@ class ImageTask(Task):
         return normalize(self.train_x[rows.to(self.device)], self.augment.mean,
                          self.augment.std)
 
-    def train_batch(self, epoch: int, index: int) -> Batch:
+    def train_batch(self, epoch: int, index: int, size: int | None = None) -> Batch:
         idx = self._rank_slice(self._global_batches(epoch)[index]).to(self.device)
         x = self.augment(self.train_x[idx], train=True)  # (B, 3, H, W) float
+        if size is not None and size != x.shape[-1]:  # progressive resizing: box filter
+            x = F.interpolate(x, size=(size, size), mode="area")  # (B, 3, size, size)
         if self.objective == "mae":  # no labels: no CutMix/Mixup
             return Batch((x,), self.train_y[idx], n_items=int(idx.numel()))
         x, targets = self.mix(x, self.train_y[idx])
@@ -411,7 +415,9 @@ class TextTask(Task):
         mask = torch.arange(T, device=self.device)[None, :] < lengths_dev[:, None]  # (B, T)
         return Batch((input_ids, mask), y, n_items=int(lengths.sum()))
 
-    def train_batch(self, epoch: int, index: int) -> Batch:
+    def train_batch(self, epoch: int, index: int, size: int | None = None) -> Batch:
+        if size is not None:
+            raise ValueError("text batches have no resolution")
         idx = self._rank_slice(self._global_batches(epoch)[index])
         dev_idx = idx.to(self.device)
         b = self._make_batch(self.train_ids[dev_idx], self.train_len[idx], self.train_y[dev_idx])

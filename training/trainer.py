@@ -68,6 +68,7 @@ from training.optim import (  # noqa: F401 (CosineWarmup, lr_at, layer_id: re-ex
 )
 from training.progress import Progress
 from training.recipes import Recipe, apply_overrides, validate_recipe
+from training.resolution import ResolutionSchedule
 from training.step import (  # noqa: F401 (soft_cross_entropy, train_step: re-exported)
     StepWindow,
     freeze_encoder,
@@ -254,12 +255,19 @@ class _Run:
         warmup = self._warmup_steps(self.total_steps)
         self.scheduler = LrSchedule(self.optimizer, o.lr, self.total_steps,
                                     min(warmup, self.total_steps), o.min_lr, o.schedule)
+        self.resolution: ResolutionSchedule | None = None
+        if recipe.augment.resolution_schedule:  # progressive resizing (validated: a ViT)
+            enc = encoder_of(self.model).config
+            self.resolution = ResolutionSchedule(recipe.augment.resolution_schedule,
+                                                 recipe.data.image_size, enc.patch_size,
+                                                 enc.patch_dropout)
         # budget mode: the planner re-sizes total_steps from the measured throughput
         self.budget: BudgetPlanner | None = None
         if recipe.budget_minutes is not None:
-            self.budget = BudgetPlanner(recipe.budget_minutes * 60.0,
-                                        started_at or time.monotonic(),
-                                        reserve_s=self._budget_reserve(0.0))
+            self.budget = BudgetPlanner(
+                recipe.budget_minutes * 60.0, started_at or time.monotonic(),
+                reserve_s=self._budget_reserve(0.0),
+                stages=self.resolution.stages if self.resolution is not None else None)
         self._budget_logged = False
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.last_eval: EvalResult | LossResult | None = None
@@ -487,7 +495,14 @@ class _Run:
                 if any_true(self.stop.signum is not None, self.dist):
                     return "interrupted"
                 t0 = time.perf_counter()
-                batch = self.task.train_batch(self.epoch, self.batch_in_epoch)
+                size = None
+                if self.resolution is not None:
+                    if (self.resolution.advance(self.step, self.total_steps)
+                            and self.mlrun is not None):
+                        self.mlrun.log_metrics({"train/resolution": self.resolution.size},
+                                               self.step)
+                    size = self.resolution.size
+                batch = self.task.train_batch(self.epoch, self.batch_in_epoch, size)
                 t_data = time.perf_counter() - t0
                 lr = self.scheduler.apply()
                 loss, logits, gnorm = train_step(train_model, self.model, self.task, batch,
@@ -576,7 +591,9 @@ class _Run:
     def _budget_replan(self) -> None:
         assert self.budget is not None
         spe = self.steps_per_epoch
-        planned = self.budget.observe(self.step, steps_per_eval=spe * self.recipe.eval_every)
+        stage = self.resolution.stage if self.resolution is not None else 0
+        planned = self.budget.observe(self.step, steps_per_eval=spe * self.recipe.eval_every,
+                                      stage=stage)
         if planned is None:
             return
         # every rank follows rank 0's plan (their clocks and rates differ slightly)

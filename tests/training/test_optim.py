@@ -134,3 +134,35 @@ def test_fused_adamw_failure_falls_back_to_the_default(monkeypatch: pytest.Monke
     monkeypatch.setattr(torch.optim, "AdamW", no_fused)
     opt = build_optimizer(torch.nn.Linear(3, 2), 1e-3, 0.0, (0.9, 0.999), 1e-8, None, True)
     assert calls == [True, None] and isinstance(opt, real)
+
+
+def test_budget_fit_sizes_a_run_whose_early_stage_is_cheaper() -> None:
+    # stage 0 (the first half of the run) costs a quarter of a full step: measured there at
+    # 0.25 s per step, the full-size steps will take 1 s; 100 s = 0.5 N 0.25 + 0.5 N 1 -> 160
+    b = BudgetPlanner(100.0, 0.0, reserve_s=0.0, stages=[(0.5, 0.25), (1.0, 1.0)])
+    assert b._fit(0, 100.0, 0.25, 0.0) == 160
+    b._stage = 1  # measured in the full-size stage at 1 s per step: only the steps left
+    assert b._fit(80, 40.0, 1.0, 0.0) == 120
+    one = BudgetPlanner(100.0, 0.0, reserve_s=0.0)  # one stage: left / per step, as before
+    assert one._fit(10, 50.0, 0.5, 0.5) == 10 + 50
+
+
+def test_budget_with_stages_ends_on_time_and_keeps_the_stage_split() -> None:
+    from training.resolution import ResolutionSchedule
+
+    clock = FakeClock()
+    res = ResolutionSchedule([(0.5, 16)], full_size=32, patch_size=4)  # costs 17/65, 1
+    b = BudgetPlanner(200.0, clock.t, reserve_s=0.0, warmup_steps=2, replan_every_s=5.0,
+                      clock=clock, stages=res.stages)
+    total, step, switch = 10_000, 0, None
+    while step < total:
+        res.advance(step, total)
+        if res.size == 32 and switch is None:
+            switch = step
+        clock.t += 1.0 if res.size == 32 else 0.3  # the real cost differs from the estimate
+        step += 1
+        p = b.observe(step, stage=res.stage)
+        total = p if p is not None else total
+    assert 195 <= clock.t - 1000 <= 200.5  # on time, although the 16-px steps cost 0.3, not 0.26
+    assert switch is not None and 0.4 <= switch / step <= 0.55  # about half the steps at 16 px
+    assert 290 <= step <= 320  # 200 s = 0.5 N 0.3 + 0.5 N 1 -> ~307 steps

@@ -16,14 +16,19 @@ from torch import Tensor, nn
 PosEncoding = Literal["sinusoidal", "learned", "none"]
 
 
-def sinusoidal_table(num_positions: int, dim: int, base: float = 10000.0) -> Tensor:
+def sinusoidal_table(num_positions: int, dim: int, base: float = 10000.0,
+                     stride: float = 1.0) -> Tensor:
     """``PE(pos, 2i) = sin(pos / base^(2i/d))``, ``PE(pos, 2i+1) = cos(pos / base^(2i/d))``.
 
-    Returns ``(num_positions, dim)``.
+    ``stride`` != 1 places position ``t`` at the centre of a cell ``stride`` wide,
+    ``pos = (t + 0.5) * stride - 0.5``: a coarser grid over the same extent (a 4-wide grid with
+    stride 2 sits at 0.5, 2.5, 4.5, 6.5 of the 8-wide one). Returns ``(num_positions, dim)``.
     """
     if dim % 2:
         raise ValueError(f"sinusoidal encoding needs an even dim, got {dim}")
     pos = torch.arange(num_positions, dtype=torch.float64)[:, None]  # (T, 1)
+    if stride != 1.0:
+        pos = (pos + 0.5) * stride - 0.5
     two_i = torch.arange(0, dim, 2, dtype=torch.float64)  # (D/2,)
     angle = pos / base ** (two_i / dim)  # (T, D/2)
     pe = torch.zeros(num_positions, dim, dtype=torch.float64)
@@ -32,15 +37,18 @@ def sinusoidal_table(num_positions: int, dim: int, base: float = 10000.0) -> Ten
     return pe.float()
 
 
-def sinusoidal_table_2d(grid_h: int, grid_w: int, dim: int, base: float = 10000.0) -> Tensor:
+def sinusoidal_table_2d(grid_h: int, grid_w: int, dim: int, base: float = 10000.0,
+                        stride: tuple[float, float] = (1.0, 1.0)) -> Tensor:
     """2-D sin-cos over a patch grid: half the channels encode the row, half the column.
 
-    Returns ``(grid_h * grid_w, dim)`` in row-major patch order (the order of the patch conv).
+    ``stride``: cells per row / column of the grid the table was made for (see
+    :func:`sinusoidal_table`), for a coarser grid over the same image. Returns
+    ``(grid_h * grid_w, dim)`` in row-major patch order (the order of the patch conv).
     """
     if dim % 4:
         raise ValueError(f"2-D sinusoidal encoding needs dim divisible by 4, got {dim}")
-    rows = sinusoidal_table(grid_h, dim // 2, base)  # (Gh, D/2)
-    cols = sinusoidal_table(grid_w, dim // 2, base)  # (Gw, D/2)
+    rows = sinusoidal_table(grid_h, dim // 2, base, stride[0])  # (Gh, D/2)
+    cols = sinusoidal_table(grid_w, dim // 2, base, stride[1])  # (Gw, D/2)
     pe = torch.cat(
         [
             rows[:, None, :].expand(grid_h, grid_w, dim // 2),

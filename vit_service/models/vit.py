@@ -15,7 +15,12 @@ import torch
 from torch import Tensor, nn
 
 from vit_service.models.layers import LN_EPS, Block, stack_layers
-from vit_service.models.pos_encoding import PosEncoding, register_pos_embed, sinusoidal_table_2d
+from vit_service.models.pos_encoding import (
+    PosEncoding,
+    register_pos_embed,
+    resample_grid_pos_embed,
+    sinusoidal_table_2d,
+)
 
 
 @dataclass
@@ -126,6 +131,7 @@ class ViT(nn.Module):
             for i in range(c.depth)
         )
         self.norm = nn.LayerNorm(c.embed_dim, eps=LN_EPS)
+        self._pos_cache: dict[tuple[tuple[int, int], torch.device], Tensor] = {}
         self.head_drop = nn.Dropout(c.drop_rate)
         self.head = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes else nn.Identity()
         self._init_weights()
@@ -153,11 +159,35 @@ class ViT(nn.Module):
             nn.init.zeros_(self.head.weight)
             nn.init.zeros_(self.head.bias)
 
+    def pos_embed_for(self, grid: tuple[int, int]) -> Tensor:
+        """Positions ``(1, 1 + Gh*Gw, D)`` for a patch grid, which differs from the config's
+        when the image is smaller (a low-resolution training phase): 2-D sin-cos evaluated at
+        the coarse patches' centres in the full grid's units, a learned table resized
+        bicubically (differentiable: its gradient reaches the full-size table)."""
+        c = self.config
+        if grid == c.grid_size:
+            return self.pos_embed
+        if c.pos_encoding == "learned":
+            return resample_grid_pos_embed(self.pos_embed, grid, self.num_prefix_tokens)
+        key = (grid, self.pos_embed.device)
+        if key not in self._pos_cache:
+            if c.pos_encoding == "sinusoidal":
+                stride = (c.grid_size[0] / grid[0], c.grid_size[1] / grid[1])
+                table = sinusoidal_table_2d(*grid, c.embed_dim, stride=stride)  # (N', D)
+            else:
+                table = torch.zeros(grid[0] * grid[1], c.embed_dim)
+            table = torch.cat([torch.zeros(1, c.embed_dim), table])  # CLS: zero position
+            self._pos_cache[key] = table[None].to(self.pos_embed)  # (1, 1 + N', D)
+        return self._pos_cache[key]
+
     def embed(self, x: Tensor) -> Tensor:
-        """Images ``(B, C, H, W)`` -> tokens with CLS and positions, ``(B, 1 + N, D)``."""
+        """Images ``(B, C, H, W)`` -> tokens with CLS and positions, ``(B, 1 + N, D)``; an
+        image smaller than ``img_size`` (divisible by the patch) gets a smaller grid."""
+        p = self.config.patch_size
+        grid = (x.shape[-2] // p, x.shape[-1] // p)
         x = self.patch_embed(x)  # (B, N, D)
         cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, D)
-        x = torch.cat([cls, x], dim=1) + self.pos_embed  # (B, 1 + N, D)
+        x = torch.cat([cls, x], dim=1) + self.pos_embed_for(grid)  # (B, 1 + N, D)
         return self.pos_drop(x)
 
     def forward_features(

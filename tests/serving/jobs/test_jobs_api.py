@@ -89,6 +89,8 @@ def test_auth_is_required(server: Server) -> None:
     ({"recipe": "cifar10-smoke", "overrides": {"model.pos_encoding": "spiral"}}, "pos_encoding"),
     ({"recipe": "cifar10-smoke", "command": "rm -rf /"}, "command"),
     ({"recipe": "cifar10-smoke", "overrides": {"data.data_dir": "/etc"}}, ""),
+    ({"recipe": "cifar10-smoke", "overrides": {"augment.resolution_schedule": "[[0.5, 12]]"}},
+     "multiple of the patch size"),
 ])
 def test_invalid_jobs_are_422(server: Server, body: dict, needle: str) -> None:
     r = server.post("/v1/jobs", json=body)

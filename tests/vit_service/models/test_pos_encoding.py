@@ -69,3 +69,25 @@ def test_without_positions_text_model_is_permutation_invariant() -> None:
     ids = torch.randint(5, 1000, (1, 12))
     perm = torch.randperm(12)
     torch.testing.assert_close(m(ids), m(ids[:, perm]), atol=1e-5, rtol=0)
+
+
+def test_a_strided_table_sits_at_the_coarse_cells_centres() -> None:
+    d = 16
+    coarse = sinusoidal_table(4, d, stride=2.0)  # cells 0.5, 2.5, 4.5, 6.5 of an 8-wide grid
+    for t, pos in enumerate((0.5, 2.5, 4.5, 6.5)):
+        i = torch.arange(d // 2, dtype=torch.float64)
+        angle = pos / 10000 ** (2 * i / d)
+        torch.testing.assert_close(coarse[t, 0::2], torch.sin(angle).float())
+        torch.testing.assert_close(coarse[t, 1::2], torch.cos(angle).float())
+    torch.testing.assert_close(sinusoidal_table(4, d, stride=1.0), sinusoidal_table(4, d))
+
+
+def test_a_coarse_2d_grid_lies_between_the_full_grid_cells_it_covers() -> None:
+    d = 64
+    full = sinusoidal_table_2d(8, 8, d).reshape(8, 8, d)
+    coarse = sinusoidal_table_2d(4, 4, d, stride=(2.0, 2.0)).reshape(4, 4, d)
+    for i, j in ((0, 0), (1, 2), (3, 3)):
+        dist = (full - coarse[i, j]).norm(dim=-1)  # (8, 8)
+        nearest = set(dist.flatten().topk(4, largest=False).indices.tolist())
+        block = {8 * r + c for r in (2 * i, 2 * i + 1) for c in (2 * j, 2 * j + 1)}
+        assert nearest == block  # its 2x2 block of full-grid cells, nothing else

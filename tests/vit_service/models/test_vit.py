@@ -126,3 +126,32 @@ def test_patch_dropout_keeps_a_random_share_in_training_only() -> None:
                           pool="mean")).eval()
     plain.load_state_dict(m.state_dict())
     assert torch.allclose(plain(x), m(x))
+
+
+@pytest.mark.parametrize("pos", ["sinusoidal", "learned"])
+def test_a_smaller_image_gets_a_smaller_grid_with_matching_positions(pos: str) -> None:
+    from vit_service.models.pos_encoding import resample_grid_pos_embed, sinusoidal_table_2d
+
+    torch.manual_seed(0)
+    m = create_model("vit_test", pos_encoding=pos, img_size=32, patch_size=4)
+    assert m.pos_embed_for((8, 8)) is m.pos_embed  # the full grid: the model's own table
+    small = m.pos_embed_for((4, 4))  # (1, 1 + 16, D)
+    D = m.config.embed_dim
+    assert small.shape == (1, 17, D)
+    if pos == "sinusoidal":
+        expect = sinusoidal_table_2d(4, 4, D, stride=(2.0, 2.0))
+        torch.testing.assert_close(small[0, 1:], expect)
+        assert small[0, 0].abs().max() == 0  # CLS keeps a zero position
+    else:
+        torch.testing.assert_close(small, resample_grid_pos_embed(m.pos_embed, (4, 4)))
+    m.train()
+    x = torch.randn(2, 3, 16, 16)
+    logits = m(x)
+    assert logits.shape == (2, m.config.num_classes)
+    logits.sum().backward()  # the gradient reaches the full-size table (learned)
+    if pos == "learned":
+        assert m.pos_embed.grad is not None and m.pos_embed.grad.abs().sum() > 0
+    m.eval()
+    with torch.no_grad():
+        _, attn = m.forward_with_attention(torch.randn(1, 3, 32, 32))
+    assert attn.shape[-1] == 65  # evaluation at full size is unchanged
