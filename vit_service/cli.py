@@ -54,14 +54,24 @@ def run() -> None:
     A finished ``train`` spends 2-3 s (2 CPU cores) in the interpreter's final garbage
     collection of torch's, MLflow's and SQLAlchemy's module graphs (``gc_collect_main`` under
     py-spy), time that a ``budget_minutes`` run cannot plan for. The work a normal exit does
-    that matters still happens here: non-daemon threads are joined, ``atexit`` handlers run
-    (logging shutdown, ``weakref.finalize`` temp-dir cleanup, multiprocessing children) and the
-    standard streams are flushed; only the module teardown is skipped."""
+    that matters still happens here: threads are shut down as the interpreter does it
+    (``threading._shutdown``: first the threading-atexit hooks, which tell idle
+    ``ThreadPoolExecutor`` workers such as MLflow's artifact uploaders to exit, then the join of
+    every non-daemon thread; joining those workers without the hooks waits forever), ``atexit``
+    handlers run (logging shutdown, ``weakref.finalize`` temp-dir cleanup, multiprocessing
+    children) and the standard streams are flushed; only the module teardown is skipped."""
     code = main()
-    main_thread = threading.main_thread()
-    for t in threading.enumerate():
-        if t is not main_thread and not t.daemon:
-            t.join()
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:  # CPython: the same call as Py_FinalizeEx
+        shutdown()
+    else:  # pragma: no cover - other interpreters: stop executors, then join
+        from concurrent.futures import thread as cf_thread
+
+        cf_thread._python_exit()
+        main_thread = threading.main_thread()
+        for t in threading.enumerate():
+            if t is not main_thread and not t.daemon:
+                t.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

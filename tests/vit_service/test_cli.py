@@ -36,6 +36,24 @@ print("not reached")
     assert mark.read_text() == "ran" and joined.read_text() == "done"
 
 
+def test_run_exits_with_idle_thread_pool_workers_alive() -> None:
+    # MLflow's artifact repository keeps a ThreadPoolExecutor whose idle, non-daemon workers
+    # only leave when the interpreter's threading-atexit hook wakes them: joining them without
+    # it hung a finished 30-minute training run at exit
+    code = """
+import concurrent.futures as cf, sys
+pool = cf.ThreadPoolExecutor(2)  # referenced until the end, like MLflow's cached repository
+pool.submit(print, "worked").result()
+sys.argv = ["vit-service", "recipes"]
+from vit_service.cli import run
+run()
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)  # TimeoutExpired: the exit hung
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("worked") and "cifar10-vit-cpu" in proc.stdout
+
+
 def test_run_passes_a_failing_commands_exit_code() -> None:
     proc = _python('import sys; sys.argv = ["vit-service", "recipes", "show", "no-such-recipe"]\n'
                    "from vit_service.cli import run; run()")
