@@ -61,17 +61,7 @@ def run() -> None:
     handlers run (logging shutdown, ``weakref.finalize`` temp-dir cleanup, multiprocessing
     children) and the standard streams are flushed; only the module teardown is skipped."""
     code = main()
-    shutdown = getattr(threading, "_shutdown", None)
-    if shutdown is not None:  # CPython: the same call as Py_FinalizeEx
-        shutdown()
-    else:  # pragma: no cover - other interpreters: stop executors, then join
-        from concurrent.futures import thread as cf_thread
-
-        cf_thread._python_exit()
-        main_thread = threading.main_thread()
-        for t in threading.enumerate():
-            if t is not main_thread and not t.daemon:
-                t.join()
+    threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

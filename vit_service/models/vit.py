@@ -118,10 +118,7 @@ class ViT(nn.Module):
             PatchEmbed(c.patch_size, c.in_chans, c.embed_dim) if c.stem == "patch"
             else ConvStem(c.patch_size, c.in_chans, c.embed_dim, c.stem_width))
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim))
-        table = None
-        if c.pos_encoding == "sinusoidal":
-            grid = sinusoidal_table_2d(*c.grid_size, c.embed_dim)  # (N, D)
-            table = torch.cat([torch.zeros(1, c.embed_dim), grid])  # CLS gets a zero position
+        table = self._fixed_positions(c.grid_size) if c.pos_encoding == "sinusoidal" else None
         register_pos_embed(self, c.pos_encoding, c.num_patches + 1, c.embed_dim, table)
         self.pos_drop = nn.Dropout(c.drop_rate)
         dpr = torch.linspace(0, c.drop_path_rate, c.depth).tolist()  # stochastic depth schedule
@@ -171,14 +168,20 @@ class ViT(nn.Module):
             return resample_grid_pos_embed(self.pos_embed, grid, self.num_prefix_tokens)
         key = (grid, self.pos_embed.device)
         if key not in self._pos_cache:
-            if c.pos_encoding == "sinusoidal":
-                stride = (c.grid_size[0] / grid[0], c.grid_size[1] / grid[1])
-                table = sinusoidal_table_2d(*grid, c.embed_dim, stride=stride)  # (N', D)
-            else:
-                table = torch.zeros(grid[0] * grid[1], c.embed_dim)
-            table = torch.cat([torch.zeros(1, c.embed_dim), table])  # CLS: zero position
+            table = self._fixed_positions(grid, zero=c.pos_encoding == "none")  # (1 + N', D)
             self._pos_cache[key] = table[None].to(self.pos_embed)  # (1, 1 + N', D)
         return self._pos_cache[key]
+
+    def _fixed_positions(self, grid: tuple[int, int], zero: bool = False) -> Tensor:
+        """``(1 + Gh*Gw, D)``: a zero row for CLS, then 2-D sin-cos over ``grid`` placed in the
+        config grid's units (identical to the plain table on the config grid), or zeros."""
+        c = self.config
+        if zero:
+            table = torch.zeros(grid[0] * grid[1], c.embed_dim)
+        else:
+            stride = (c.grid_size[0] / grid[0], c.grid_size[1] / grid[1])
+            table = sinusoidal_table_2d(*grid, c.embed_dim, stride=stride)  # (N, D)
+        return torch.cat([torch.zeros(1, c.embed_dim), table])  # CLS gets a zero position
 
     def embed(self, x: Tensor) -> Tensor:
         """Images ``(B, C, H, W)`` -> tokens with CLS and positions, ``(B, 1 + N, D)``; an
