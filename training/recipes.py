@@ -260,7 +260,16 @@ class Recipe(_Strict):
     eval_batch_size: int = Field(512, ge=1)
     seed: int = 0
     device: Literal["cpu", "cuda", "auto"] = "auto"
-    amp: bool = Field(True, description="bf16 autocast on CUDA (ignored on CPU: fp32)")
+    amp: bool = Field(True, description="bf16 autocast on CUDA (training and evaluation)")
+    cpu_bf16: bool = Field(
+        False, description="bf16 autocast of the training step on a CPU that computes bf16 in "
+        "hardware (AVX-512 BF16 or AMX; elsewhere fp32, logged); validation stays fp32, as "
+        "served")
+    attention: Literal["auto", "fused", "explicit"] = Field(
+        "auto", description="attention path of the training forward: fused "
+        "(scaled_dot_product_attention) or explicit (softmax(q k^T) v); auto: explicit for a "
+        "bf16 step on the CPU (the CPU flash kernel's bf16 backward is slow), else fused; "
+        "evaluation always runs fused")
     compile: bool = Field(False, description="torch.compile the training forward")
     max_steps: int | None = Field(
         None, ge=1, description="stop after N steps; the schedule still spans `epochs`"

@@ -4,6 +4,7 @@ window of train metrics between two logs."""
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from typing import Any
@@ -13,7 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from training.recipes import Recipe
 from training.tasks import Batch, Task
+from vit_service.hardware import cpu_has_native_bf16
+
+log = logging.getLogger(__name__)
 
 
 def freeze_encoder(model: nn.Module) -> int:
@@ -25,6 +30,35 @@ def freeze_encoder(model: nn.Module) -> int:
     if n == 0:
         raise ValueError("freeze_encoder: the model has no head.* parameters")
     return n
+
+
+def training_precision(recipe: Recipe, device: torch.device
+                       ) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """Autocast dtypes ``(training step, evaluation)``; ``None`` is fp32. CUDA: bf16 for both
+    when ``amp``. CPU: bf16 for the training step when ``cpu_bf16`` and the CPU computes bf16
+    in hardware; evaluation stays fp32 there, since that is what serving runs."""
+    if device.type == "cuda":
+        dtype = torch.bfloat16 if recipe.amp else None
+        return dtype, dtype
+    if device.type == "cpu" and recipe.cpu_bf16:
+        if cpu_has_native_bf16():
+            return torch.bfloat16, None
+        log.warning("cpu_bf16: this CPU has no native bf16 (AVX-512 BF16 / AMX): training "
+                    "in fp32")
+    return None, None
+
+
+def use_fused_attention(choice: str, device: torch.device, amp_dtype: torch.dtype | None
+                        ) -> bool:
+    """``recipe.attention`` -> does the training forward take the fused path? ``auto``: fused,
+    except for a bf16 step on the CPU: there PyTorch's flash kernel is slow for these short
+    sequences and its bf16 backward far slower (fwd + bwd of one layer, B x H x T x D =
+    128x4x33x32: fused 35 ms, explicit 5.7 ms; 32x2x320x64: 72 vs 29 ms; docs/training.md).
+    In fp32 on the CPU the two paths measured within noise of each other, so fp32 keeps the
+    fused one. Evaluation always takes the fused path (``Trainer.evaluate``)."""
+    if choice == "auto":
+        return not (device.type == "cpu" and amp_dtype is not None)
+    return choice == "fused"
 
 
 def soft_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:

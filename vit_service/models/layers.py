@@ -13,6 +13,9 @@ so timm checkpoints load with ``load_state_dict``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -208,3 +211,18 @@ def set_fused_attn(model: nn.Module, enabled: bool) -> None:
     for m in model.modules():
         if isinstance(m, Attention):
             m.fused_attn = enabled
+
+
+@contextmanager
+def attention_path(model: nn.Module, fused: bool) -> Iterator[None]:
+    """Every :class:`Attention` in ``model`` on one path for a block; each gets its own setting
+    back afterwards."""
+    attns = [m for m in model.modules() if isinstance(m, Attention)]
+    before = [m.fused_attn for m in attns]
+    for m in attns:
+        m.fused_attn = fused
+    try:
+        yield
+    finally:
+        for m, f in zip(attns, before, strict=True):
+            m.fused_attn = f

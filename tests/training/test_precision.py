@@ -1,0 +1,132 @@
+"""Training precision and attention path: ``cpu_bf16`` (bf16 training step on a CPU with
+native bf16, fp32 validation as served), ``attention`` (fused / explicit / auto) and the CPU
+flag detection behind them."""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import training.trainer
+from training.evaluate import evaluate_batches
+from training.progress import Progress
+from training.recipes import load_recipe
+from training.step import training_precision, use_fused_attention
+from training.trainer import prepare_run
+from vit_service import hardware
+from vit_service.bundle import load_bundle
+from vit_service.config import Settings
+from vit_service.models import create_model
+from vit_service.models.layers import Attention, attention_path
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
+BF16 = torch.bfloat16
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+flags\t\t: fpu sse2 avx2 fma avx512f avx512bw {extra}
+bogomips\t: 5192.28
+"""
+
+
+@pytest.mark.parametrize(("extra", "native"), [("", False), ("avx512_bf16", True),
+                                               ("amx_bf16 amx_tile", True),
+                                               ("avx512_bf16x", False)])
+def test_cpu_flags_name_native_bf16(extra: str, native: bool) -> None:
+    flags = hardware.cpu_flags(CPUINFO.format(extra=extra))
+    assert {"avx2", "avx512f"} <= flags
+    assert any(f in flags for f in hardware.BF16_FLAGS) is native
+
+
+def test_cpu_flags_without_a_flags_line() -> None:
+    assert hardware.cpu_flags("processor : 0\n") == set()
+
+
+def _recipe(**overrides: object) -> object:
+    return load_recipe("cifar10-smoke", {"device": "cpu", **overrides})
+
+
+def test_cpu_bf16_trains_in_bf16_and_validates_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("training.step.cpu_has_native_bf16", lambda: True)
+    assert training_precision(_recipe(cpu_bf16=True), CPU) == (BF16, None)
+    assert training_precision(_recipe(cpu_bf16=False), CPU) == (None, None)
+    # amp is the CUDA switch: it does nothing on the CPU
+    assert training_precision(_recipe(amp=True, cpu_bf16=False), CPU) == (None, None)
+
+
+def test_cpu_bf16_falls_back_to_fp32_without_native_bf16(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr("training.step.cpu_has_native_bf16", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="training.step"):
+        assert training_precision(_recipe(cpu_bf16=True), CPU) == (None, None)
+    assert "no native bf16" in caplog.text
+
+
+def test_cuda_amp_covers_training_and_evaluation() -> None:
+    assert training_precision(_recipe(amp=True), CUDA) == (BF16, BF16)
+    assert training_precision(_recipe(amp=False, cpu_bf16=True), CUDA) == (None, None)
+
+
+@pytest.mark.parametrize(("choice", "device", "amp", "fused"), [
+    ("auto", CPU, BF16, False), ("auto", CPU, None, True), ("auto", CUDA, BF16, True),
+    ("fused", CPU, BF16, True), ("explicit", CUDA, None, False),
+])
+def test_attention_choice(choice: str, device: torch.device, amp: torch.dtype | None,
+                          fused: bool) -> None:
+    assert use_fused_attention(choice, device, amp) is fused
+
+
+def test_attention_path_restores_each_module() -> None:
+    model = create_model("vit_test")
+    attns = [m for m in model.modules() if isinstance(m, Attention)]
+    attns[0].fused_attn = False
+    with attention_path(model, fused=True):
+        assert all(m.fused_attn for m in attns)
+    assert [m.fused_attn for m in attns] == [False] + [True] * (len(attns) - 1)
+
+
+def test_unknown_attention_choice_is_refused() -> None:
+    with pytest.raises(ValueError, match="attention"):
+        _recipe(attention="flash")
+
+
+def test_cpu_bf16_run_validates_what_the_fp32_bundle_answers(
+        tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run with ``cpu_bf16`` on a (pretended) bf16 CPU: its steps run under autocast on the
+    explicit attention path (EMA copy included), and the validation figure it reports is the
+    fp32 accuracy of the bundle it writes, which is what serving loads."""
+    monkeypatch.setattr("training.step.cpu_has_native_bf16", lambda: True)
+    torch.set_num_threads(1)
+    settings = Settings(home=tmp_path / "home", cache_dir=data_dir.parent / "cache")
+    recipe = load_recipe("cifar10-smoke", {"device": "cpu", "epochs": 1, "cpu_bf16": True,
+                                           "attention_samples": 0, "optim.ema_decay": 0.9})
+    run = prepare_run(recipe, data_dir=data_dir, settings=settings, mlflow_enabled=False,
+                      register=False, progress=Progress(json_lines=True, stream=io.StringIO()))
+    assert (run.amp_dtype, run.eval_amp_dtype) == (BF16, None)
+    assert run.ema is not None
+    for model in (run.model, run.ema.module):
+        attns = [m for m in model.modules() if isinstance(m, Attention)]
+        assert attns and not any(m.fused_attn for m in attns)
+    evaluated = []
+    real_evaluate = training.trainer.evaluate_batches
+
+    def spy(model: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        evaluated.append([m.fused_attn for m in model.modules() if isinstance(m, Attention)])
+        return real_evaluate(model, *args, **kwargs)
+
+    monkeypatch.setattr("training.trainer.evaluate_batches", spy)
+    res = run.run()
+    assert res.status == "finished" and res.val_acc is not None
+    assert evaluated and all(all(flags) for flags in evaluated)  # validation ran fused
+    assert not any(m.fused_attn for m in run.model.modules() if isinstance(m, Attention))
+
+    bundle = load_bundle(res.run_dir / "bundle")
+    assert all(p.dtype == torch.float32 for p in bundle.model.parameters())
+    served = evaluate_batches(bundle.model, run.task.val_batches(64), run.task.forward,
+                              run.task.class_names, CPU, None)
+    assert served.acc == pytest.approx(res.val_acc, abs=1e-9)
+    assert served.loss == pytest.approx(res.val_loss, rel=1e-4)

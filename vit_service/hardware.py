@@ -1,0 +1,34 @@
+"""What the CPU computes natively, read once: whether bf16 matmuls run in hardware.
+
+On a CPU with AVX-512 BF16 (``avx512_bf16``) or AMX (``amx_bf16``) oneDNN runs bf16 GEMMs
+~2.5x faster than fp32 (measured: 4224x128 @ 128x384, 122 -> 290-346 GFLOP/s on a 2-core
+AMD EPYC); elsewhere bf16 is emulated and slower than fp32, so callers fall back to fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 arithmetic
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The ``flags`` of the first processor in ``/proc/cpuinfo`` (empty off Linux)."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        if platform.system() != "Linux" or not path.exists():
+            return set()
+        cpuinfo = path.read_text(errors="replace")
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return set(value.split())
+    return set()
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU does bf16 arithmetic in hardware (AVX-512 BF16 or AMX)."""
+    return any(flag in cpu_flags() for flag in BF16_FLAGS)
