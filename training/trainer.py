@@ -247,8 +247,8 @@ class _Run:
         if recipe.freeze_encoder:
             log.info("freeze_encoder: training the head only (%d parameters)",
                      freeze_encoder(model))
-        set_fused_attn(model, use_fused_attention(recipe.attention, self.device,
-                                                  self.amp_dtype))
+        self.fused_attn = use_fused_attention(recipe.attention, self.device, self.amp_dtype)
+        set_fused_attn(model, self.fused_attn)
         self.model = model.to(self.device)
         self.model_config = config_to_dict(encoder_of(self.model).config)
         o = recipe.optim
@@ -334,8 +334,7 @@ class _Run:
                     "model.n_trainable": count_parameters(self.model),
                     "train.device": str(self.device),
                     "train.precision": "bf16" if self.amp_dtype else "fp32",
-                    "train.attention": "fused" if use_fused_attention(
-                        r.attention, self.device, self.amp_dtype) else "explicit"})
+                    "train.attention": "fused" if self.fused_attn else "explicit"})
                 if self.lineage.init != "scratch":
                     self.mlrun.log_lineage(self.lineage.to_dict(), self.init_source.parent_recipe
                                            if self.init_source else None)
@@ -415,9 +414,10 @@ class _Run:
                                               reduce)
         else:
             batches = self.task.val_batches(self.recipe.eval_batch_size)
-            with attention_path(self.eval_model(), fused=True):  # no weights needed: fused
-                # (the CPU's explicit path measured 0.7x for the flip-TTA validation forward)
-                res = evaluate_batches(self.eval_model(), batches, self.task.forward,
+            model = self.eval_model()
+            with attention_path(model, fused=True):  # no weights needed: fused (the CPU's
+                # explicit path measured 0.7x for the flip-TTA validation forward)
+                res = evaluate_batches(model, batches, self.task.forward,
                                        self.task.class_names, self.device, self.eval_amp_dtype,
                                        reduce)
         self.last_eval, self.last_eval_step = res, self.step
