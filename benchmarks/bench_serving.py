@@ -178,22 +178,30 @@ def stage_totals(url: str) -> dict[str, tuple[float, float]]:
 
 def forward_rate(bundle: Path, seconds: float, threads: int, start_at: float = 0.0) -> float:
     """One process: batch-32 forwards, attention off, ``threads`` torch threads, no HTTP
-    (timed from the wall-clock ``start_at``, so that several processes overlap)."""
+    (timed from the wall-clock ``start_at``, so that several processes overlap). The forward
+    is the one the server runs: traced, in the precision it serves in (``auto``)."""
     import torch
 
+    sys.path.insert(0, str(ROOT))
+    from serving.compiled import trace_forwards
     from vit_service.bundle import load_bundle
+    from vit_service.precision import resolve_precision
 
     torch.set_num_threads(threads)
     b = load_bundle(bundle)
     m = b.model.eval()
+    for prm in m.parameters():
+        prm.requires_grad_(False)
+    fwd = trace_forwards(m, b.meta.task, b.meta.preprocess, "bench",
+                         resolve_precision("auto")).plain
     if b.meta.task == "image":
         size = int(b.meta.preprocess["image_size"])
         x = torch.randn(32, 3, size, size)
-        call = lambda: m(x)  # noqa: E731
+        call = lambda: fwd(x)  # noqa: E731
     else:
         enc = b.tokenizer.encode_batch([REVIEW] * 32, int(b.meta.preprocess["max_len"]),
                                        b.meta.preprocess.get("truncation", "head"))
-        call = lambda: m(enc.input_ids, enc.attention_mask)  # noqa: E731
+        call = lambda: fwd(enc.input_ids, enc.attention_mask)  # noqa: E731
     with torch.inference_mode():
         call()
         time.sleep(max(0.0, start_at - time.time()))
@@ -436,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
                      " req/s")
     lines.append("model forward limits (img or texts/s, batch 32, no HTTP; one process with "
                  f"all threads / one 1-thread process per core): {limit_detail}")
+    sys.path.insert(0, str(ROOT))
+    from vit_service.precision import resolve_precision
+
+    precision = resolve_precision("auto")  # what ours, mlflow's pyfunc and the limit ran in
+    lines.append(f"precision of every forward above (inference_precision auto): {precision}")
     lines.append(f"load average (1 min) before/after: {load_before[0]:.2f} / "
                  f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     print("\n".join(lines))
@@ -443,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"models": models, "bundle": str(bundle), "results": results, "stages": stages,
               "soak": soak, "forward_limits": limits, "forward_limit_detail": limit_detail,
               "rounds": args.rounds, "seconds": args.seconds,
+              "precision": precision,
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform(), "loadavg_1m_before": load_before[0],
                           "loadavg_1m_after": os.getloadavg()[0]},

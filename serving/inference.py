@@ -32,6 +32,7 @@ from serving.model_store import LoadedModel, ModelStore
 from vit_service.attention_maps import AttentionMaps, compute_attention_maps, overlay_heatmap
 from vit_service.config import Settings
 from vit_service.explain import explain, faithfulness_curves, image_probs_fn, text_probs_fn
+from vit_service.precision import inference_precision
 from vit_service.preprocess import images_to_tensor
 
 log = logging.getLogger(__name__)
@@ -166,9 +167,11 @@ def _forward(model: LoadedModel, jobs: Sequence[Job], idxs: list[int], path: int
     heads = any(jobs[i].spec.heads for i in idxs)
     rel = target = None
     with torch.inference_mode():
-        if path == 2:
-            ex = explain(net, inputs, _targets(jobs, idxs), mask, model.grid, model.query)
-            logits, attn, rel, target = ex.logits, ex.attn, ex.relevance, ex.target
+        if path == 2:  # in the served precision, so its probabilities are the plain path's
+            with inference_precision(net, model.precision):
+                ex = explain(net, inputs, _targets(jobs, idxs), mask, model.grid, model.query)
+            logits, attn, rel, target = ex.logits, ex.attn.float(), ex.relevance.float(), \
+                ex.target
         elif path == 1:
             logits, attn = fwd.with_attention(*inputs)  # attn (L, B, H, T, T)
         else:
@@ -204,7 +207,7 @@ def _faithfulness(
     target = _explained(fwd, jobs, idxs)[rows]
     p_full = fwd.probs[rows].gather(1, target[:, None])[:, 0]
     maps = scored_maps(fwd.maps.rollout, fwd.relevance, rows)
-    with torch.inference_mode():
+    with torch.inference_mode(), inference_precision(model.bundle.model, model.precision):
         curves = faithfulness_curves(maps, valid[rows], probs_fn(rows, target), p_full)
     names = model.bundle.meta.class_names
     return {row: faithfulness_dict(curves, k, int(target[k]), names, removal)

@@ -61,6 +61,7 @@ class ModelCards:
             "recipe": recipe.get("name"), "preset": model.get("name"),
             "parameters": count_parameters(m.bundle.model, trainable_only=False),
             "val_acc": extra.get("val_acc"), "val_loss": extra.get("val_loss"),
+            "precision": m.precision, "served_val_acc": m.served_val_acc,
             "step": extra.get("step"), "ema": extra.get("ema"),
             "classes": m.class_names, "per_class": None, "confusion": None,
             "training_s": None, "budget_minutes": recipe.get("budget_minutes"),

@@ -36,6 +36,7 @@ from vit_service import tracking
 from vit_service.bundle import META, WEIGHTS, ModelBundle, load_bundle
 from vit_service.config import Settings
 from vit_service.models import set_fused_attn
+from vit_service.precision import resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,19 @@ class LoadedModel:
         return self.bundle.meta.task
 
     @property
+    def precision(self) -> str:
+        """What the served forward runs in (relevance and faithfulness: always fp32)."""
+        return self.forwards.precision if self.forwards is not None else "fp32"
+
+    @property
+    def served_val_acc(self) -> float | None:
+        """Validation accuracy in the precision served: the bundle's fp32 figure, or the bf16
+        one its training run measured (None when it measured none: ``vit-service evaluate
+        --precision bf16`` gives it)."""
+        extra = self.bundle.meta.extra or {}
+        return extra.get("val_acc_bf16" if self.precision == "bf16" else "val_acc")
+
+    @property
     def class_names(self) -> list[str]:
         return self.bundle.meta.class_names
 
@@ -108,7 +122,7 @@ class LoadedModel:
         return {
             "name": self.name, "task": self.task, "version": self.version, "alias": self.alias,
             "run_id": self.run_id, "source": self.source, "run_url": self.run_url,
-            "loaded_at": self.loaded_at,
+            "loaded_at": self.loaded_at, "precision": self.precision,
         }
 
     def input_spec(self) -> dict[str, Any]:
@@ -278,8 +292,10 @@ class ModelStore:
         set_fused_attn(bundle.model, True)  # fast path unless attention maps are asked for
         for p in bundle.model.parameters():
             p.requires_grad_(False)
-        forwards = (trace_forwards(bundle.model, bundle.meta.task, bundle.meta.preprocess, name)
-                    if self.settings.trace_forwards else eager_forwards(bundle.model))
+        precision = resolve_precision(self.settings.inference_precision)
+        forwards = (trace_forwards(bundle.model, bundle.meta.task, bundle.meta.preprocess, name,
+                                   precision)
+                    if self.settings.trace_forwards else eager_forwards(bundle.model, precision))
         return LoadedModel(
             name=name, source=source, bundle=bundle, resolved=resolved,
             run_url=self._run_url(resolved.run_id),

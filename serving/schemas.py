@@ -46,6 +46,8 @@ class ModelInfo(BaseModel):
     source: str = Field(description="configured source, e.g. models:/cifar10-vit@champion")
     run_url: str | None = Field(None, description="link to the run in the MLflow UI")
     loaded_at: datetime
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="what the forward ran in (settings.inference_precision)")
 
 
 class Prediction(BaseModel):
@@ -251,6 +253,11 @@ class ModelEntry(BaseModel):
     architecture: dict | None = Field(None, description="model config from the bundle")
     loaded_at: datetime | None = None
     load_seconds: float | None = None
+    precision: Literal["fp32", "bf16"] | None = Field(
+        None, description="what the served forward runs in (settings.inference_precision)")
+    served_val_acc: float | None = Field(
+        None, description="validation accuracy in that precision, as its training run measured "
+        "it (null when not measured)")
     error: str | None = Field(None, description="last load error, if any")
 
 
@@ -280,6 +287,11 @@ class ModelCard(BaseModel):
     val_acc: float | None = Field(None, description="validation accuracy (MLflow's, else the "
                                   "bundle's)")
     val_loss: float | None = None
+    precision: Literal["fp32", "bf16"] | None = Field(
+        None, description="what the served forward runs in; val_acc is fp32's")
+    served_val_acc: float | None = Field(
+        None, description="validation accuracy in the served precision (bf16: measured by the "
+        "training run on a CPU with native bf16, else null)")
     step: int | None = Field(None, description="optimiser steps trained")
     ema: bool | None = None
     budget_minutes: float | None = None

@@ -62,6 +62,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tracking-uri")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="fp32",
+                   help="run the model as the server does in this precision (auto: bf16 on a "
+                   "CPU with native bf16, the server's default)")
     p.set_defaults(func=cmd_evaluate)
 
 
@@ -238,6 +241,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from training.evaluate import evaluate_bundle
     from vit_service import tracking
     from vit_service.data import DataNotFoundError
+    from vit_service.precision import resolve_precision
 
     settings = _settings()
     tracking.configure(args.tracking_uri, settings)
@@ -248,11 +252,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         device = str(resolve_device("auto"))
     try:
         res = evaluate_bundle(args.model, args.split, args.data_dir or settings.data_dir,
-                              settings.cache_dir, args.batch_size, device)
+                              settings.cache_dir, args.batch_size, device, args.precision)
     except DataNotFoundError as e:
         return _fail(str(e))
     except (MlflowException, FileNotFoundError, ValueError) as e:
         return _fail(f"cannot evaluate {args.model!r}: {e}")
-    print(f"model {args.model}  split {args.split}")
+    print(f"model {args.model}  split {args.split}  "
+          f"precision {resolve_precision(args.precision, device)}")
     print(res.format_table())
     return 0

@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vit_service.models.layers import attention_path
+from vit_service.precision import Precision, autocast_dtype, resolve_precision
+
 log = logging.getLogger(__name__)
 
 
@@ -109,10 +112,12 @@ def evaluate_bundle(
     cache_dir: str | Path | None = None,
     batch_size: int = 512,
     device: str = "cpu",
+    precision: str = "fp32",
 ) -> EvalResult:
     """Evaluate a bundle folder or a registered model (``name``, ``models:/...``) on ``val``
     (the training run's deterministic split, rebuilt from the recipe stored in the bundle) or
-    ``test`` (when the data has one; else :class:`DataNotFoundError`)."""
+    ``test`` (when the data has one; else :class:`DataNotFoundError`), in ``precision``
+    (``fp32``, ``bf16`` or ``auto``: :mod:`vit_service.precision`, as the server runs it)."""
     from vit_service.bundle import load_bundle
 
     if split not in ("val", "test"):
@@ -170,9 +175,20 @@ def evaluate_bundle(
                 mask = torch.arange(T)[None, :] < torch.from_numpy(lengths[o])[:, None]
                 yield _B((x, mask.to(dev)), torch.from_numpy(labels[rows[o]]).to(dev))
 
-    log.info("evaluating %s on %s (%d examples)", model_ref, split, len(rows))
-    return evaluate_batches(b.model, batches(), lambda m, bb: m(*bb.inputs),
-                            b.meta.class_names, dev)
+    prec = resolve_precision(precision, dev)
+    log.info("evaluating %s on %s (%d examples, %s)", model_ref, split, len(rows), prec)
+    return evaluate_in_precision(b.model, batches(), lambda m, bb: m(*bb.inputs),
+                                 b.meta.class_names, dev, prec)
+
+
+def evaluate_in_precision(model: nn.Module, batches: Iterable[Any],
+                          forward: Callable[[nn.Module, Any], Tensor], class_names: list[str],
+                          device: torch.device, precision: Precision) -> EvalResult:
+    """:func:`evaluate_batches` with the model run as the server runs it in ``precision``
+    (bf16: autocast on the explicit attention path; fp32: the fused path)."""
+    with attention_path(model, fused=precision == "fp32"):
+        return evaluate_batches(model, batches, forward, class_names, device,
+                                autocast_dtype(precision))
 
 
 def bundle_val_rows(meta: Any, labels: np.ndarray) -> np.ndarray:

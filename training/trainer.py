@@ -572,7 +572,13 @@ class _Run:
 
     def _budget_reserve(self, eval_s: float) -> float:
         assert self.recipe.budget_minutes is not None
-        return PUBLISH_RESERVE_S + eval_s + BUDGET_MARGIN * self.recipe.budget_minutes * 60
+        from training.publish import records_bf16_val
+
+        # the bf16 validation as served (training/publish.py) runs on rank 0 over every rank's
+        # rows; it is faster than the fp32 one, so one more eval_s per rank bounds it
+        served = eval_s * self.dist.world_size if records_bf16_val(self) else 0.0
+        return (PUBLISH_RESERVE_S + eval_s + served
+                + BUDGET_MARGIN * self.recipe.budget_minutes * 60)
 
     def _budget_probe(self) -> None:
         """Time one validation batch to estimate what an evaluation costs (the plan keeps room

@@ -57,23 +57,31 @@ class BundlePyfunc(mlflow.pyfunc.PythonModel):
     """MLflow pyfunc wrapper so a registered model also works with ``mlflow models serve``.
 
     Input: a DataFrame with a column ``image`` (base64-encoded image bytes) or ``text``.
-    Output: one row per input with ``label``, ``index`` and ``probability``.
+    Output: one row per input with ``label``, ``index`` and ``probability``, computed in the
+    precision the REST API answers in (``VIT_SERVICE_INFERENCE_PRECISION``, default auto: bf16
+    on a CPU with native bf16), so both give the same answers.
     """
 
     def load_context(self, context: Any) -> None:
+        from vit_service.config import Settings
+        from vit_service.precision import resolve_precision
+
         self.bundle = load_bundle(context.artifacts[BUNDLE_ARTIFACT])
+        self.precision = resolve_precision(Settings().inference_precision)
 
     def predict(self, context: Any, model_input: Any, params: Any = None) -> Any:
         import pandas as pd
         import torch
 
+        from vit_service.precision import inference_precision
         from vit_service.preprocess import decode_image, images_to_tensor
 
         b = self.bundle
         if not b.meta.class_names:
             raise ValueError("this model is a pretrained encoder (no classes): fine-tune it "
                              "(recipe init.from) before predicting")
-        with torch.inference_mode():
+        with torch.inference_mode(), inference_precision(b.model,
+                                                         getattr(self, "precision", "fp32")):
             if b.meta.task == "image":
                 imgs = [decode_image(base64.b64decode(s)) for s in model_input["image"]]
                 logits = b.model(images_to_tensor(imgs, b.meta))

@@ -24,7 +24,8 @@ def model_entry(store: ModelStore, name: str) -> ModelEntry:
         name=name, source=m.source, loaded=True, task=m.task, version=m.version, alias=m.alias,
         run_id=m.run_id, run_url=m.run_url, classes=m.class_names, input=m.input_spec(),
         architecture=m.bundle.meta.model_config, loaded_at=m.loaded_at,
-        load_seconds=round(m.load_seconds, 4), error=store.error(name),
+        load_seconds=round(m.load_seconds, 4), precision=m.precision,
+        served_val_acc=m.served_val_acc, error=store.error(name),
     )
 
 

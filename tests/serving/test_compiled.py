@@ -5,6 +5,8 @@ from torch import nn
 
 from serving.compiled import trace_forwards
 from vit_service.models import create_model
+from vit_service.models.layers import Attention
+from vit_service.precision import inference_precision
 
 
 def _frozen(m: nn.Module) -> nn.Module:
@@ -58,3 +60,35 @@ def test_a_trace_that_disagrees_or_fails_falls_back_to_the_eager_model() -> None
         f = trace_forwards(model.eval(), "image", {"image_size": 8}, "tricky")
         assert not f.traced
         assert f.plain is model  # eager: the same answers as without tracing
+
+
+def test_bf16_traces_equal_the_eager_bf16_model_and_answer_in_fp32() -> None:
+    """In bf16 the traces hold autocast's casts (explicit attention) and match the eager model
+    run in bf16 exactly; the callables hand back fp32; TorchScript's autocast switch and the
+    model's attention path are as they were."""
+    torch.manual_seed(0)
+    vit = _frozen(create_model("vit_test", tta_flip=True, pool="mean"))
+    jit_autocast = torch._C._jit_set_autocast_mode(True)
+    torch._C._jit_set_autocast_mode(jit_autocast)
+    f = trace_forwards(vit, "image", {"image_size": 32}, precision="bf16")
+    assert f.traced and f.precision == "bf16"
+    assert torch._C._jit_set_autocast_mode(jit_autocast) == jit_autocast  # restored
+    assert all(m.fused_attn for m in vit.modules() if isinstance(m, Attention))
+    x = torch.randn(7, 3, 32, 32)
+    with torch.inference_mode():
+        logits, attn = f.with_attention(x)
+        plain = f.plain(x)
+        with inference_precision(vit, "bf16"):
+            want_logits, want_attn = vit.forward_with_attention(x)
+        fp32_logits = vit(x)
+    assert logits.dtype == attn.dtype == plain.dtype == torch.float32
+    torch.testing.assert_close(plain, want_logits.float(), rtol=0, atol=0)
+    torch.testing.assert_close(attn, want_attn.float(), rtol=0, atol=0)
+    assert not torch.equal(plain, fp32_logits)  # it did run in bf16
+    torch.testing.assert_close(plain, fp32_logits, rtol=0.05, atol=0.05)  # and close to fp32
+    torch.testing.assert_close(attn.sum(-1), torch.ones_like(attn.sum(-1)), rtol=0, atol=1e-2)
+
+    eager = trace_forwards(_BranchesOnBatch().eval(), "image", {"image_size": 8}, "tricky",
+                           precision="bf16")
+    assert not eager.traced and eager.precision == "bf16"  # the fallback keeps the precision
+    assert eager.plain(torch.randn(5, 3, 8, 8)).dtype == torch.float32

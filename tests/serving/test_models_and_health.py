@@ -225,3 +225,36 @@ def test_openapi_documents_every_route(client) -> None:
                  "ReadyResponse", "ErrorResponse"):
         assert name in spec["components"]["schemas"]
 
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_served_precision_is_the_setting_and_is_reported(make_client, registry, tmp_path,
+                                                            image_bytes, precision) -> None:
+    """``inference_precision`` decides what the forward runs in: the answers are the model's
+    own in that precision (bf16: autocast, explicit attention), every response and the model
+    entry and card say which, with the validation accuracy measured in it."""
+    import torch
+
+    from vit_service.bundle import load_bundle, save_bundle
+    from vit_service.precision import inference_precision
+    from vit_service.preprocess import decode_image, images_to_tensor
+
+    src = load_bundle(registry.local_bundle)
+    src.meta.extra.update(val_acc=0.61, val_acc_bf16=0.62)
+    bundle = save_bundle(tmp_path / "b", src.model, src.meta)
+    c = make_client({"cifar10-vit": str(bundle)}, inference_precision=precision)
+    img = image_bytes(seed=3)
+    res = c.post("/v1/predict/image", content=img, headers={"content-type": "image/png"},
+                 params={"top_k": 10, "attention": "rollout"}).json()
+    assert res["model"]["precision"] == precision
+    model = load_bundle(bundle).model.eval()
+    with torch.inference_mode(), inference_precision(model, precision):
+        want = model(images_to_tensor([decode_image(img)], src.meta)).float().softmax(-1)[0]
+    got = {p["index"]: p["probability"] for p in res["results"][0]["predictions"]}
+    for k, p in got.items():
+        assert p == pytest.approx(float(want[k]), abs=1e-5)
+    entry = c.get("/v1/models/cifar10-vit").json()
+    card = c.get("/v1/models/cifar10-vit/card").json()
+    served = 0.62 if precision == "bf16" else 0.61
+    assert entry["precision"] == card["precision"] == precision
+    assert entry["served_val_acc"] == card["served_val_acc"] == served

@@ -1,5 +1,6 @@
 """Training precision and attention path: ``cpu_bf16`` (bf16 training step on a CPU with
-native bf16, fp32 validation as served), ``attention`` (fused / explicit / auto) and the CPU
+native bf16, fp32 validation; a run on a bf16 CPU also records the bf16 accuracy the server
+answers with there), ``attention`` (fused / explicit / auto) and the CPU
 flag detection behind them."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import training.trainer
+from serving.compiled import trace_forwards
 from training.evaluate import evaluate_batches
 from training.progress import Progress
 from training.recipes import load_recipe
@@ -22,6 +24,7 @@ from vit_service.bundle import load_bundle
 from vit_service.config import Settings
 from vit_service.models import create_model
 from vit_service.models.layers import Attention, attention_path
+from vit_service.precision import resolve_precision
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
 BF16 = torch.bfloat16
@@ -100,6 +103,7 @@ def test_cpu_bf16_run_validates_what_the_fp32_bundle_answers(
     explicit attention path (EMA copy included), and the validation figure it reports is the
     fp32 accuracy of the bundle it writes, which is what serving loads."""
     monkeypatch.setattr("training.step.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("vit_service.precision.cpu_has_native_bf16", lambda: False)
     torch.set_num_threads(1)
     settings = Settings(home=tmp_path / "home", cache_dir=data_dir.parent / "cache")
     recipe = load_recipe("cifar10-smoke", {"device": "cpu", "epochs": 1, "cpu_bf16": True,
@@ -130,3 +134,37 @@ def test_cpu_bf16_run_validates_what_the_fp32_bundle_answers(
                               run.task.class_names, CPU, None)
     assert served.acc == pytest.approx(res.val_acc, abs=1e-9)
     assert served.loss == pytest.approx(res.val_loss, rel=1e-4)
+    assert "val_acc_bf16" not in bundle.meta.extra  # the server answers in fp32 on this CPU
+
+
+def test_a_run_on_a_bf16_cpu_records_the_accuracy_the_bf16_server_answers_with(
+        tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with native bf16 the server answers in bf16 (``inference_precision: auto``):
+    the run's bundle carries ``val_acc_bf16``, and it is the accuracy of the served (traced,
+    bf16) forward of that bundle on the validation split, to the example."""
+    monkeypatch.setattr("vit_service.precision.cpu_has_native_bf16", lambda: True)
+    torch.set_num_threads(1)
+    settings = Settings(home=tmp_path / "home", cache_dir=data_dir.parent / "cache")
+    recipe = load_recipe("cifar10-smoke", {"device": "cpu", "epochs": 1,
+                                           "attention_samples": 0})
+    run = prepare_run(recipe, data_dir=data_dir, settings=settings, mlflow_enabled=False,
+                      register=False, progress=Progress(json_lines=True, stream=io.StringIO()))
+    res = run.run()
+    assert res.status == "finished" and res.val_acc is not None
+    extra = load_bundle(res.run_dir / "bundle").meta.extra
+    assert extra["val_acc"] == pytest.approx(res.val_acc, abs=1e-9)  # fp32, as before
+
+    bundle = load_bundle(res.run_dir / "bundle")
+    for p in bundle.model.parameters():  # as the model store loads it
+        p.requires_grad_(False)
+    fwd = trace_forwards(bundle.model.eval(), "image", bundle.meta.preprocess,
+                         precision=resolve_precision("auto"))
+    assert fwd.traced and fwd.precision == "bf16"
+    correct = n = 0
+    with torch.inference_mode():
+        for batch in run.task.val_batches(64):
+            logits = fwd.plain(*batch.inputs)
+            assert logits.dtype == torch.float32
+            correct += int((logits.argmax(-1) == batch.labels).sum())
+            n += int(batch.labels.numel())
+    assert extra["val_acc_bf16"] == pytest.approx(correct / n, abs=1e-9)
