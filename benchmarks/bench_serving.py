@@ -182,7 +182,6 @@ def forward_rate(bundle: Path, seconds: float, threads: int, start_at: float = 0
     is the one the server runs: traced, in the precision it serves in (``auto``)."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from serving.compiled import trace_forwards
     from vit_service.bundle import load_bundle
     from vit_service.precision import resolve_precision
@@ -444,7 +443,6 @@ def main(argv: list[str] | None = None) -> int:
                      " req/s")
     lines.append("model forward limits (img or texts/s, batch 32, no HTTP; one process with "
                  f"all threads / one 1-thread process per core): {limit_detail}")
-    sys.path.insert(0, str(ROOT))
     from vit_service.precision import resolve_precision
 
     precision = resolve_precision("auto")  # what ours, mlflow's pyfunc and the limit ran in

@@ -170,8 +170,8 @@ def _forward(model: LoadedModel, jobs: Sequence[Job], idxs: list[int], path: int
         if path == 2:  # in the served precision, so its probabilities are the plain path's
             with inference_precision(net, model.precision):
                 ex = explain(net, inputs, _targets(jobs, idxs), mask, model.grid, model.query)
-            logits, attn, rel, target = ex.logits, ex.attn.float(), ex.relevance.float(), \
-                ex.target
+            logits, target = ex.logits, ex.target
+            attn, rel = ex.attn.float(), ex.relevance.float()
         elif path == 1:
             logits, attn = fwd.with_attention(*inputs)  # attn (L, B, H, T, T)
         else:

@@ -91,7 +91,7 @@ class LoadedModel:
 
     @property
     def precision(self) -> str:
-        """What the served forward runs in (relevance and faithfulness: always fp32)."""
+        """What the served forward runs in (relevance and faithfulness too)."""
         return self.forwards.precision if self.forwards is not None else "fp32"
 
     @property

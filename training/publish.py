@@ -71,8 +71,7 @@ def publish(run: _Run, run_id: str | None) -> str | None:
 def records_bf16_val(run: _Run) -> bool:
     """Whether the end of this run measures the bf16 validation accuracy: a classifier trained
     on a CPU with native bf16, where the server answers in bf16 by default."""
-    return (not run.recipe.pretraining and run.device.type == "cpu"
-            and resolve_precision("auto", run.device) == "bf16")
+    return not run.recipe.pretraining and resolve_precision("auto", run.device) == "bf16"
 
 
 def served_bf16_eval(run: _Run, model: nn.Module) -> EvalResult | None:

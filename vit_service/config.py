@@ -73,7 +73,7 @@ class Settings(BaseSettings):
     inference_precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="precision of the served forward (vit_service/precision.py): bf16 "
         "autocast on the explicit attention path, ~1.9x fp32 on a CPU with native bf16; auto = "
-        "bf16 exactly there, fp32 elsewhere. Relevance and faithfulness stay fp32")
+        "bf16 exactly there, fp32 elsewhere. Relevance, faithfulness and the MLflow pyfunc follow")
     trace_forwards: bool = Field(
         True, description="serve TorchScript traces of the model's forwards, checked against "
         "the eager model at load (serving/compiled.py); false: always eager")

@@ -29,7 +29,6 @@ from vit_service.hardware import cpu_has_native_bf16
 from vit_service.models.layers import attention_path
 
 Precision = Literal["fp32", "bf16"]
-PrecisionChoice = Literal["auto", "fp32", "bf16"]
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16")
 
 

@@ -80,8 +80,7 @@ class BundlePyfunc(mlflow.pyfunc.PythonModel):
         if not b.meta.class_names:
             raise ValueError("this model is a pretrained encoder (no classes): fine-tune it "
                              "(recipe init.from) before predicting")
-        with torch.inference_mode(), inference_precision(b.model,
-                                                         getattr(self, "precision", "fp32")):
+        with torch.inference_mode(), inference_precision(b.model, self.precision):
             if b.meta.task == "image":
                 imgs = [decode_image(base64.b64decode(s)) for s in model_input["image"]]
                 logits = b.model(images_to_tensor(imgs, b.meta))
