@@ -621,7 +621,9 @@ class _Run:
         if first and self.recipe.optim.warmup_fraction is not None:
             self.scheduler.warmup_steps = max(self.step + 1, min(
                 self._warmup_steps(planned), planned - 1))
-        self.scheduler.set_total_steps(planned)
+        # a plan that cuts the run at the update just made (which ran at the lr of the older,
+        # longer plan) gets one more update, at the final lr; a run already at its end stops
+        self.scheduler.set_total_steps(max(planned, min(self.step + 1, self.total_steps)))
         self.total_steps = self.scheduler.total_steps
         self.progress.total_steps = self.total_steps
         if first:
