@@ -103,6 +103,31 @@ def test_conv_stem_gives_the_same_token_grid() -> None:
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
 
+def test_conv_stem_runs_its_convolutions_channels_last_with_the_same_values() -> None:
+    torch.manual_seed(0)
+    model = create_model("vit_nano_patch4_32", stem="conv").eval()
+    stem = model.patch_embed
+    layouts = []
+    for m in stem.stem:
+        if isinstance(m, torch.nn.Conv2d):
+            m.register_forward_pre_hook(lambda _m, args: layouts.append(
+                args[0].is_contiguous(memory_format=torch.channels_last)))
+    x = torch.randn(2, 3, 32, 32)  # NCHW, as the data pipeline and the server give it
+    with torch.no_grad():
+        tokens = stem(x)
+        ref = stem.proj(_nchw_stem(stem, x))  # (B, D, 8, 8)
+    assert layouts[:3] == [True, True, True]
+    assert tokens.shape == (2, 64, 128)
+    assert torch.allclose(tokens, ref.flatten(2).transpose(1, 2), atol=1e-5)
+
+
+def _nchw_stem(stem: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The stem's layers run one by one on a contiguous (NCHW) tensor: the reference."""
+    for m in stem.stem:
+        x = m(x.contiguous())
+    return x.contiguous()
+
+
 def test_patch_dropout_keeps_a_random_share_in_training_only() -> None:
     torch.manual_seed(0)
     m = ViT(ViTConfig(img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2,
