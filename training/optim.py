@@ -84,8 +84,11 @@ def param_groups(model: nn.Module, weight_decay: float,
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
                     betas: tuple[float, float], eps: float, layer_decay: float | None,
                     fused: bool) -> torch.optim.AdamW:
-    """AdamW over :func:`param_groups`; ``fused`` asks for the fused kernel (CUDA) and falls
-    back to the default implementation where this build or device has none."""
+    """AdamW over :func:`param_groups`; ``fused`` asks for the fused kernel and falls back to
+    the default (foreach) implementation where this build or device has none. The trainer
+    asks for it on every device: on the CPU too it is one kernel over all the parameters
+    (``vit_nano_convstem_32``'s step: 1.3 ms against 6.6 ms for foreach, ~2.5 % of a
+    training step; docs/training.md)."""
     groups = param_groups(model, weight_decay, layer_decay)
     if fused:
         try:

@@ -254,7 +254,7 @@ class _Run:
         o = recipe.optim
         self.ema = ModelEma(self.model, o.ema_decay) if o.ema_decay else None
         self.optimizer = build_optimizer(self.model, o.lr, o.weight_decay, o.betas, o.eps,
-                                         o.layer_decay, fused=cuda)
+                                         o.layer_decay, fused=True)
         self.steps_per_epoch = self.task.steps_per_epoch()
         self.total_steps = recipe.epochs * self.steps_per_epoch
         warmup = self._warmup_steps(self.total_steps)

@@ -107,6 +107,17 @@ def test_whole_run_with_bf16_autocast_on_cpu(name: str, tmp_path: Path, data_dir
     assert (res.run_dir / "bundle" / "weights.pt").is_file()
 
 
+def test_the_trainer_takes_fused_adamw_on_the_cpu_too(tmp_path: Path, data_dir: Path) -> None:
+    """One kernel over all the parameters: 1.3 ms against 6.6 ms per step for the foreach
+    implementation on vit_nano_convstem_32 (docs/training.md); the CUDA path asks the same."""
+    settings = Settings(home=tmp_path / "home", cache_dir=data_dir.parent / "cache")
+    run = prepare_run(load_recipe("cifar10-smoke", {"device": "cpu", "attention_samples": 0}),
+                      data_dir=data_dir, settings=settings, mlflow_enabled=False,
+                      register=False, progress=Progress(json_lines=True, stream=io.StringIO()))
+    assert run.optimizer.defaults["fused"] is True
+    assert run.optimizer.defaults["foreach"] is not True
+
+
 def _has_cxx() -> bool:
     return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++"))
 
