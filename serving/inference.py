@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -126,22 +127,23 @@ def f16_base64(t: torch.Tensor) -> dict[str, Any]:
 
 
 class _Arrays:
-    """One batch's attention array, written per row as JSON lists (one ``tolist`` for the
-    batch, made on first use) or f16-base64; ``n``: keep the first ``n`` of the last dim."""
+    """One batch's attention array, per row: a float32 numpy array (written as JSON lists by
+    the response encoder, float32's shortest form: ``0.0024467555``, not the 17 digits of
+    the same number as a double) or f16-base64; ``n``: keep the first ``n`` of the last dim."""
 
     def __init__(self, t: torch.Tensor | None) -> None:
-        self.t, self._lists = t, None
+        self.t = t
+        self._np: np.ndarray | None = None
 
     def row(self, i: int, f16: bool, n: int | None = None) -> Any:
         if self.t is None:
             return None
         if f16:
             return f16_base64(self.t[i] if n is None else self.t[i, ..., :n])
-        if n is not None:
-            return self.t[i, ..., :n].tolist()
-        if self._lists is None:
-            self._lists = self.t.tolist()
-        return self._lists[i]
+        if self._np is None:  # one conversion for the batch (a view: no copy on the CPU)
+            self._np = self.t.detach().float().cpu().numpy()
+        a = self._np[i] if n is None else self._np[i, ..., :n]
+        return np.ascontiguousarray(a)  # (*grid) / (L, *grid) / (n,) ...; orjson wants C order
 
 
 def _groups(jobs: Sequence[Job]) -> dict[int, list[int]]:
