@@ -15,7 +15,7 @@ from typing import Any
 
 EXIT_USAGE = 2
 # recipe keys that may change when resuming (they do not change what is computed)
-RESUME_KEYS = {"max_steps", "device", "threads", "log_every", "eval_batch_size",
+RESUME_KEYS = {"max_steps", "device", "threads", "processes", "log_every", "eval_batch_size",
                "checkpoint_every"}
 
 
@@ -122,18 +122,53 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (RecipeError, FileNotFoundError) as e:
         return _fail(str(e))
 
+    from training import launch
+
+    processes = int(resume_overrides.get("processes", recipe.processes))
+    if processes > 1 and not launch.is_rank():
+        device = resume_overrides.get("device", recipe.device)
+        if device == "cpu" or (device == "auto" and not _cuda_available()):
+            return launch.launch(processes, launch.train_command(_rank_argv(args)),
+                                 process_started_at())
+        print(f"processes={processes} applies to the CPU; on CUDA launch the ranks with "
+              "torchrun (docs/training.md, DDP): training in this one process",
+              file=sys.stderr)
+
     from training.trainer import train
 
     try:
         result = train(recipe, data_dir=data_dir, run_name=args.run_name, resume=args.resume,
                        resume_overrides=resume_overrides, tracking_uri=args.tracking_uri,
                        register=not args.no_register, settings=settings,
-                       started_at=process_started_at())
+                       started_at=launch.started_at_from_env() or process_started_at())
     except DataNotFoundError as e:
         return _fail(str(e))
     except (RecipeError, FileNotFoundError) as e:
         return _fail(str(e))
     return result.exit_code
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _rank_argv(args: argparse.Namespace) -> list[str]:
+    """The ``train`` arguments each rank of a ``processes: N`` run gets: this command's, with
+    ``--resume if-exists`` already resolved (so that every rank resumes, or none)."""
+    argv = [args.recipe]
+    for o in args.overrides:
+        argv += ["--set", o]
+    for flag, value in (("--data-dir", args.data_dir), ("--tracking-uri", args.tracking_uri),
+                        ("--device", args.device), ("--max-steps", args.max_steps),
+                        ("--subset", args.subset), ("--resume", args.resume),
+                        ("--run-name", args.run_name)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.no_register:
+        argv.append("--no-register")
+    return argv
 
 
 def process_started_at() -> float:

@@ -116,8 +116,12 @@ class TrainResult:
 class _StopFlag:
     """SIGTERM/SIGINT -> finish the current step, checkpoint, exit."""
 
+    REPEAT_S = 1.0  # a second SIGINT sooner than this is the same Ctrl-C delivered twice
+    # (the terminal's and the one ``processes: N``'s launcher forwards: training/launch.py)
+
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._at = 0.0
         self._old: dict[int, Any] = {}
 
     def install(self) -> None:
@@ -127,9 +131,12 @@ class _StopFlag:
             self._old[s] = signal.signal(s, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # second Ctrl-C: give up immediately
-        self.signum = signum
+        if self.signum is not None:
+            if (signum == signal.SIGINT
+                    and time.monotonic() - self._at > self.REPEAT_S):
+                raise KeyboardInterrupt  # second Ctrl-C: give up immediately
+            return
+        self.signum, self._at = signum, time.monotonic()
         log.warning("received %s: stopping after this step", signal.Signals(signum).name)
 
     def restore(self) -> None:
