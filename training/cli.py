@@ -126,8 +126,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     processes = int(resume_overrides.get("processes", recipe.processes))
     if processes > 1 and not launch.is_rank():
+        from training.distributed import resolve_device
+
         device = resume_overrides.get("device", recipe.device)
-        if device == "cpu" or (device == "auto" and not _cuda_available()):
+        if device != "cuda" and resolve_device(device).type == "cpu":
             return launch.launch(processes, launch.train_command(_rank_argv(args)),
                                  process_started_at())
         print(f"processes={processes} applies to the CPU; on CUDA launch the ranks with "
@@ -146,12 +148,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (RecipeError, FileNotFoundError) as e:
         return _fail(str(e))
     return result.exit_code
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:

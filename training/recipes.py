@@ -284,8 +284,8 @@ class Recipe(_Strict):
     processes: int = Field(
         1, ge=1, le=64, description="CPU: data-parallel training processes the command starts "
         "itself (Gloo DDP, cores / N threads each unless `threads`; batch_size stays the global "
-        "batch). On a 2-core CPU 2 processes of 1 thread train the small ViTs ~1.5x faster "
-        "than 1 process of 2 threads (docs/training.md). On CUDA use torchrun")
+        "batch). Measured no faster than 1 process of 2 threads on a 2-core CPU, so no "
+        "recipe sets it; for many-core CPU hosts (docs/training.md). On CUDA use torchrun")
     checkpoint_every: int = Field(
         1, ge=1, description="epochs between checkpoints (also written on stop, signal, end)"
     )
