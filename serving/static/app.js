@@ -100,21 +100,22 @@ async function loadCard(task) {
 $("#image-model").addEventListener("change", () => loadCard("image"));
 $("#text-model").addEventListener("change", () => loadCard("text"));
 
-async function trainFirst(recipe) {
+async function trainFirst(recipe, budget) {
   if (!state.key) {
     showError("Training needs the API key: open the Training jobs tab and paste it there (the server prints it at start, or set VIT_SERVICE_API_KEY).");
     return;
   }
   try {
     const job = await api("/v1/jobs", { method: "POST", auth: true, headers: { "Content-Type": "application/json" },
-      body: JSON.stringify({ recipe, name: "first model", overrides: { budget_minutes: 10 } }) });
+      // a button's data-budget caps a long recipe for a first model; without it, the recipe as shipped
+      body: JSON.stringify({ recipe, name: "first model", overrides: budget ? { budget_minutes: Number(budget) } : {} }) });
     pick(job.id, true);
     document.querySelector('.tab[data-tab="jobs"]').click();
   } catch (e) {
     showError("Launch failed — " + e.message);
   }
 }
-document.querySelectorAll("button.train-first").forEach((b) => b.addEventListener("click", () => trainFirst(b.dataset.recipe)));
+document.querySelectorAll("button.train-first").forEach((b) => b.addEventListener("click", () => trainFirst(b.dataset.recipe, b.dataset.budget)));
 
 // ---- colour map and heatmap ---------------------------------------------------------------------
 function colormap(t) { // a compact "turbo"-like ramp, t in [0, 1]
