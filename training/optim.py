@@ -31,7 +31,8 @@ from training.init import encoder_of
 
 log = logging.getLogger(__name__)
 
-EMBEDDING_PARAMS = ("patch_embed.", "stem.", "cls_token", "pos_embed", "tok_embed.")
+EMBEDDING_PARAMS = ("patch_embed.", "stem.", "cls_token", "pos_embed", "tok_embed.",
+                    "bigram_embed.", "bigram_proj.")
 
 ScheduleShape = Literal["cosine", "linear"]
 

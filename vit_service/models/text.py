@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vit_service.models.layers import LN_EPS, Block, stack_layers
@@ -36,6 +37,10 @@ class TextConfig:
     drop_rate: float = 0.1  # dropout on embeddings, projections and before the head
     attn_drop_rate: float = 0.0  # dropout on attention weights
     drop_path_rate: float = 0.0  # stochastic depth (max, linear over blocks)
+    bigram_buckets: int = 0  # >0: add a hashed embedding of each (previous, current) token
+    # pair (fastText-style bigrams; what makes linear models strong on IMDb); 0: off
+    bigram_dim: int = 0  # width of the bigram table, projected to D; 0: D, no projection
+    # (a narrow table holds more buckets, i.e. fewer hash collisions, for the same cost)
 
 
 class TextTransformer(nn.Module):
@@ -45,6 +50,10 @@ class TextTransformer(nn.Module):
         super().__init__()
         self.config = c = config
         self.tok_embed = nn.Embedding(c.vocab_size, c.embed_dim, padding_idx=c.pad_id)
+        bd = c.bigram_dim or c.embed_dim
+        self.bigram_embed = nn.Embedding(c.bigram_buckets, bd) if c.bigram_buckets > 0 else None
+        self.bigram_proj = (nn.Linear(bd, c.embed_dim, bias=False)
+                            if c.bigram_buckets > 0 and bd != c.embed_dim else None)
         register_pos_embed(self, c.pos_encoding, c.max_len, c.embed_dim)
         self.scale = math.sqrt(c.embed_dim) if c.embed_scale else 1.0
         self.pos_drop = nn.Dropout(c.drop_rate)
@@ -70,9 +79,18 @@ class TextTransformer(nn.Module):
         nn.init.normal_(self.tok_embed.weight, std=std)
         with torch.no_grad():
             self.tok_embed.weight[self.config.pad_id].zero_()
+        if self.bigram_embed is not None:  # starts silent: the unigram model, then learns pairs
+            nn.init.zeros_(self.bigram_embed.weight)
 
     def no_weight_decay(self) -> set[str]:
-        return {"pos_embed", "tok_embed.weight"}
+        return {"pos_embed", "tok_embed.weight", "bigram_embed.weight"}
+
+    def bigram_ids(self, input_ids: Tensor) -> Tensor:
+        """``(B, T)`` token ids -> ``(B, T)`` bucket of each (previous, current) pair; position 0
+        pairs with ``[PAD]``. A multiplicative hash spreads the pairs over the buckets."""
+        prev = F.pad(input_ids[:, :-1], (1, 0), value=self.config.pad_id)  # (B, T)
+        pair = prev.long() * 2_654_435_761 + input_ids.long() * 40_503  # < 2^63 for ids < 2^31
+        return pair.remainder(self.config.bigram_buckets)  # (B, T)
 
     def reset_classifier(self, num_classes: int) -> None:
         self.config.num_classes = num_classes
@@ -82,7 +100,11 @@ class TextTransformer(nn.Module):
         T = input_ids.shape[1]
         if T > self.config.max_len:
             raise ValueError(f"sequence length {T} > max_len {self.config.max_len}")
-        x = self.tok_embed(input_ids) * self.scale  # (B, T, D)
+        x = self.tok_embed(input_ids)  # (B, T, D)
+        if self.bigram_embed is not None:
+            pairs = self.bigram_embed(self.bigram_ids(input_ids))  # (B, T, bigram_dim)
+            x = x + (pairs if self.bigram_proj is None else self.bigram_proj(pairs))  # (B, T, D)
+        x = x * self.scale
         return self.pos_drop(x + self.pos_embed[:, : input_ids.shape[1]])
 
     def forward_features(

@@ -47,3 +47,49 @@ def test_too_long_input_is_rejected() -> None:
     m = create_model("text_test")
     with pytest.raises(ValueError, match="max_len"):
         m(torch.ones(1, 65, dtype=torch.long))
+
+
+def _with_random_bigrams(**kw: object) -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = create_model("text_test", pool="mean", bigram_buckets=97, **kw).eval()
+    with torch.no_grad():  # zero-initialised: give the pairs weights that matter
+        m.bigram_embed.weight.normal_(0.0, 0.5)
+    return m
+
+
+def test_bigram_buckets_are_per_pair_and_in_range() -> None:
+    m = _with_random_bigrams()
+    ids = torch.tensor([[2, 10, 11, 10, 11, 12, 11]])
+    b = m.bigram_ids(ids)
+    assert b.shape == ids.shape and int(b.min()) >= 0 and int(b.max()) < 97
+    assert b[0, 2] == b[0, 4]  # the pair (10, 11) twice, same bucket
+    assert b[0, 2] != b[0, 6]  # (10, 11) vs (12, 11): another bucket for this hash
+    assert b[0, 0] == m.bigram_ids(torch.tensor([[2]]))[0, 0]  # ([PAD], [CLS]) at the start
+
+
+@pytest.mark.parametrize("bigram_dim", [0, 8])  # 8: a narrow table projected to D = 32
+def test_zero_bigram_embedding_is_the_unigram_model(bigram_dim: int) -> None:
+    torch.manual_seed(0)
+    m = create_model("text_test", pool="mean", bigram_buckets=97, bigram_dim=bigram_dim).eval()
+    assert (m.bigram_proj is None) == (bigram_dim == 0)
+    ids = torch.randint(5, 1000, (2, 20))
+    with torch.no_grad():
+        with_zero = m(ids)
+        m.bigram_embed = None
+        torch.testing.assert_close(with_zero, m(ids), atol=0, rtol=0)
+
+
+def test_bigrams_see_word_order_and_keep_padding_invariance() -> None:
+    m = _with_random_bigrams(pos_encoding="learned")
+    with torch.no_grad():
+        m.pos_embed.zero_()  # no positions: without bigrams, mean pooling ignores the order
+        ids = torch.tensor([[2, 10, 11, 12, 13]])
+        swapped = torch.tensor([[2, 11, 10, 13, 12]])
+        assert not torch.allclose(m(ids), m(swapped))
+        m_uni = _with_random_bigrams(pos_encoding="learned")
+        m_uni.pos_embed.zero_()
+        m_uni.bigram_embed = None
+        torch.testing.assert_close(m_uni(ids), m_uni(torch.tensor([[2, 11, 10, 13, 12]])),
+                                   atol=1e-5, rtol=0)
+        padded = torch.cat([ids, torch.zeros(1, 7, dtype=torch.long)], dim=1)
+        torch.testing.assert_close(m(padded), m(ids), atol=1e-5, rtol=0)
