@@ -81,6 +81,7 @@ from training.step import (  # noqa: F401 (soft_cross_entropy, train_step: re-ex
 from training.tasks import Task, build_task
 from vit_service.config import Settings, get_settings
 from vit_service.data.tokenizer import TextTokenizer
+from vit_service.hardware import has_cxx_compiler
 from vit_service.models import config_to_dict, count_parameters
 from vit_service.models.layers import attention_path, set_fused_attn
 
@@ -485,8 +486,15 @@ class _Run:
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             train_model = DDP(self.model, device_ids=ids)
-        if r.compile:
-            train_model = torch.compile(train_model)  # type: ignore[assignment]
+        if r.compile and self.device.type == "cpu" and not has_cxx_compiler():
+            log.warning("compile: TorchInductor needs a C++ compiler on the CPU (g++, c++ or "
+                        "clang++; none on PATH): training eager")
+        elif r.compile:
+            # images: static shapes (a resolution schedule gets one graph per stage rather than
+            # a shape-generic one); text: the length buckets vary T, so dynamo's automatic
+            # dynamic shapes (one generic graph after the second length)
+            train_model = torch.compile(  # type: ignore[assignment]
+                train_model, dynamic=False if self.task.kind == "image" else None)
 
         self.progress.start(self.total_steps, step=self.step, mlflow_run_id=run_id,
                             run_name=self.run_name, run_dir=str(self.run_dir),

@@ -32,3 +32,12 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str]:
 def cpu_has_native_bf16() -> bool:
     """True when this CPU does bf16 arithmetic in hardware (AVX-512 BF16 or AMX)."""
     return any(flag in cpu_flags() for flag in BF16_FLAGS)
+
+
+def has_cxx_compiler() -> bool:
+    """True when a C++ compiler is on ``PATH`` (``$CXX``, g++, c++ or clang++): TorchInductor
+    compiles its CPU kernels with it, so ``torch.compile`` on the CPU needs one."""
+    import os
+    import shutil
+
+    return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++"))

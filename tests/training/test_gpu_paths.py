@@ -155,6 +155,29 @@ def test_compiled_training_matches_eager_on_cpu(tmp_path: Path, data_dir: Path) 
     assert comp == pytest.approx(eager, rel=1e-2)
 
 
+def test_compile_without_a_cxx_compiler_trains_eager(
+        tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A recipe that ships ``compile: true`` (cifar10-vit-convstem-cpu) still trains on a CPU
+    machine without g++/clang++: a warning, then the eager step (dynamo never traces)."""
+    from torch._dynamo.utils import counters
+
+    import training.trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "has_cxx_compiler", lambda: False)
+    counters.clear()
+    settings = Settings(home=tmp_path / "home", cache_dir=data_dir.parent / "cache")
+    recipe = load_recipe("cifar10-smoke", {
+        "device": "cpu", "compile": True, "max_steps": 2, "log_every": 1,
+        "attention_samples": 0, "model.overrides": {"depth": 1}})
+    with caplog.at_level("WARNING", logger="training.trainer"):
+        res = train(recipe, data_dir=data_dir, settings=settings, mlflow_enabled=False,
+                    register=False, run_name="no-cxx", progress=Progress(stream=io.StringIO()))
+    assert res.status == "stopped" and res.step == 2
+    assert "needs a C++ compiler" in caplog.text
+    assert not counters["stats"]["unique_graphs"]
+
+
 def test_ddp_on_gloo_with_torchrun(tmp_path: Path, data_dir: Path, mlflow_db) -> None:
     """``torchrun --standalone --nproc_per_node 2 -m vit_service.cli train cifar10-smoke``: two
     CPU ranks on Gloo, one thread each, one epoch; rank 0 alone reports; the run finishes."""
