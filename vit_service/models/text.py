@@ -41,8 +41,6 @@ class TextConfig:
     # pair (fastText-style bigrams; what makes linear models strong on IMDb); 0: off
     bigram_dim: int = 0  # width of the bigram table, projected to D; 0: D, no projection
     # (a narrow table holds more buckets, i.e. fewer hash collisions, for the same cost)
-    ngram: int = 2  # longest hashed n-gram: 2 = (previous, current) pairs; 3 adds the
-    # (previous two, current) triples, hashed into the same table (fastText's wordNgrams)
 
 
 class TextTransformer(nn.Module):
@@ -51,8 +49,6 @@ class TextTransformer(nn.Module):
     def __init__(self, config: TextConfig) -> None:
         super().__init__()
         self.config = c = config
-        if c.ngram not in (2, 3):
-            raise ValueError(f"ngram must be 2 or 3, got {c.ngram}")
         self.tok_embed = nn.Embedding(c.vocab_size, c.embed_dim, padding_idx=c.pad_id)
         bd = c.bigram_dim or c.embed_dim
         self.bigram_embed = nn.Embedding(c.bigram_buckets, bd) if c.bigram_buckets > 0 else None
@@ -89,26 +85,12 @@ class TextTransformer(nn.Module):
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "tok_embed.weight", "bigram_embed.weight"}
 
-    def _pair_hash(self, input_ids: Tensor) -> Tensor:
-        prev = F.pad(input_ids[:, :-1], (1, 0), value=self.config.pad_id)  # (B, T)
-        return prev.long() * 2_654_435_761 + input_ids.long() * 40_503  # < 2^63 for ids < 2^31
-
     def bigram_ids(self, input_ids: Tensor) -> Tensor:
         """``(B, T)`` token ids -> ``(B, T)`` bucket of each (previous, current) pair; position 0
         pairs with ``[PAD]``. A multiplicative hash spreads the pairs over the buckets."""
-        return self._pair_hash(input_ids).remainder(self.config.bigram_buckets)  # (B, T)
-
-    def ngram_ids(self, input_ids: Tensor) -> Tensor:
-        """``(B, T)`` token ids -> ``(B, T, ngram - 1)`` buckets: the pair ending at each token,
-        then (``ngram`` 3) the triple ending there, its first token ``[PAD]`` before position 2.
-        The triple's hash XORs the pair's with the earlier token's own multiplier."""
-        pair = self._pair_hash(input_ids)  # (B, T)
-        hashes = [pair]
-        if self.config.ngram >= 3:
-            T = input_ids.shape[1]
-            prev2 = F.pad(input_ids, (2, 0), value=self.config.pad_id)[:, :T]  # (B, T)
-            hashes.append(torch.bitwise_xor(pair, prev2.long() * 1_181_783_497))  # >= 0
-        return torch.stack(hashes, -1).remainder(self.config.bigram_buckets)  # (B, T, n - 1)
+        prev = F.pad(input_ids[:, :-1], (1, 0), value=self.config.pad_id)  # (B, T)
+        pair = prev.long() * 2_654_435_761 + input_ids.long() * 40_503  # < 2^63 for ids < 2^31
+        return pair.remainder(self.config.bigram_buckets)  # (B, T)
 
     def reset_classifier(self, num_classes: int) -> None:
         self.config.num_classes = num_classes
@@ -120,10 +102,7 @@ class TextTransformer(nn.Module):
             raise ValueError(f"sequence length {T} > max_len {self.config.max_len}")
         x = self.tok_embed(input_ids)  # (B, T, D)
         if self.bigram_embed is not None:
-            if self.config.ngram == 2:
-                pairs = self.bigram_embed(self.bigram_ids(input_ids))  # (B, T, bigram_dim)
-            else:  # (B, T, n - 1, bigram_dim) -> (B, T, bigram_dim)
-                pairs = self.bigram_embed(self.ngram_ids(input_ids)).sum(2)
+            pairs = self.bigram_embed(self.bigram_ids(input_ids))  # (B, T, bigram_dim)
             x = x + (pairs if self.bigram_proj is None else self.bigram_proj(pairs))  # (B, T, D)
         x = x * self.scale
         return self.pos_drop(x + self.pos_embed[:, : input_ids.shape[1]])

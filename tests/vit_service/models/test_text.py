@@ -93,32 +93,3 @@ def test_bigrams_see_word_order_and_keep_padding_invariance() -> None:
                                    atol=1e-5, rtol=0)
         padded = torch.cat([ids, torch.zeros(1, 7, dtype=torch.long)], dim=1)
         torch.testing.assert_close(m(padded), m(ids), atol=1e-5, rtol=0)
-
-
-def test_trigram_ids_add_the_triple_after_the_pair() -> None:
-    m = _with_random_bigrams(ngram=3)
-    ids = torch.tensor([[2, 10, 11, 12], [2, 99, 11, 12]])  # same last pair, other triple
-    b = m.ngram_ids(ids)
-    assert b.shape == (2, 4, 2) and b.min() >= 0 and b.max() < 97
-    torch.testing.assert_close(b[..., 0], m.bigram_ids(ids))  # slot 0: the pair, as ngram 2
-    assert b[0, 3, 0] == b[1, 3, 0] and b[0, 3, 1] != b[1, 3, 1]  # (11, 12) same, (x, 11, 12) not
-    assert m.ngram_ids(torch.tensor([[2]])).shape == (1, 1, 2)  # shorter than the triple
-
-
-def test_trigrams_see_what_bigrams_cannot_and_keep_padding_invariance() -> None:
-    # the same pairs in both rows ((2,5) (5,6) (6,5) (5,7)...), different triples: only
-    # ngram 3 tells them apart once positions are silenced
-    a = torch.tensor([[2, 5, 6, 5, 7, 5, 6]])
-    b = torch.tensor([[2, 5, 7, 5, 6, 5, 6]])
-    for ngram, differ in ((2, False), (3, True)):
-        m = _with_random_bigrams(pos_encoding="learned", ngram=ngram)
-        with torch.no_grad():
-            m.pos_embed.zero_()
-            assert torch.allclose(m(a), m(b), atol=1e-5) is not differ
-            padded = torch.cat([a, torch.zeros(1, 5, dtype=torch.long)], dim=1)
-            torch.testing.assert_close(m(padded), m(a), atol=1e-5, rtol=0)
-
-
-def test_ngram_is_checked() -> None:
-    with pytest.raises(ValueError, match="ngram"):
-        create_model("text_test", ngram=4)
