@@ -8,7 +8,9 @@ AMD EPYC); elsewhere bf16 is emulated and slower than fp32, so callers fall back
 from __future__ import annotations
 
 import functools
+import os
 import platform
+import shutil
 from pathlib import Path
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 arithmetic
@@ -37,7 +39,4 @@ def cpu_has_native_bf16() -> bool:
 def has_cxx_compiler() -> bool:
     """True when a C++ compiler is on ``PATH`` (``$CXX``, g++, c++ or clang++): TorchInductor
     compiles its CPU kernels with it, so ``torch.compile`` on the CPU needs one."""
-    import os
-    import shutil
-
     return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++"))

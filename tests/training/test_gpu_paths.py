@@ -8,7 +8,6 @@ import copy
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from training.recipes import load_recipe
 from training.tasks import build_task
 from training.trainer import prepare_run, train, train_step
 from vit_service.config import Settings
+from vit_service.hardware import has_cxx_compiler
 
 CPU = DistInfo(device=torch.device("cpu"))
 BF16 = torch.bfloat16
@@ -118,16 +118,12 @@ def test_the_trainer_takes_fused_adamw_on_the_cpu_too(tmp_path: Path, data_dir: 
     assert run.optimizer.defaults["foreach"] is not True
 
 
-def _has_cxx() -> bool:
-    return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++"))
-
-
 def _step_losses(stream: io.StringIO) -> list[float]:
     return [e["loss"] for e in progress_events(stream.getvalue()) if e["event"] == "step"]
 
 
-@pytest.mark.skipif(not _has_cxx(), reason="torch.compile (inductor) on the CPU needs a C++ "
-                    "compiler (g++/c++/clang++), none on PATH")
+@pytest.mark.skipif(not has_cxx_compiler(), reason="torch.compile (inductor) on the CPU needs "
+                    "a C++ compiler (g++/c++/clang++), none on PATH")
 def test_compiled_training_matches_eager_on_cpu(tmp_path: Path, data_dir: Path) -> None:
     """``compile: true``: the trainer wraps the model in ``torch.compile`` (inductor, C++ on the
     CPU). Same seed, same batches: the compiled run's losses equal the eager run's."""
