@@ -32,9 +32,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from training.distributed import DistInfo, resolve_device  # noqa: E402
+from training.optim import param_groups  # noqa: E402
 from training.recipes import load_recipe  # noqa: E402
+from training.step import train_step  # noqa: E402
 from training.tasks import ImageTask  # noqa: E402
-from training.trainer import param_groups, train_step  # noqa: E402
 from vit_service.bundle import CIFAR10_MEAN, CIFAR10_STD  # noqa: E402
 from vit_service.data import CIFAR10_CLASSES, ImageDataset, load_cifar10  # noqa: E402
 from vit_service.models import get_config  # noqa: E402

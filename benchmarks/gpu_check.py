@@ -122,7 +122,7 @@ def train_flops_per_item(run: Any) -> dict[str, Any]:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from training.trainer import soft_cross_entropy
+    from training.step import soft_cross_entropy
 
     task, dev = run.task, run.device
     model = copy.deepcopy(run.model).train()

@@ -78,7 +78,7 @@ def launch(n: int, cmd: Sequence[str], started_at: float, threads: int | None = 
     log.info("starting %d training processes (Gloo DDP), %d thread(s) each", n, threads)
     # the ranks stay in this process group, so that a job executor's killpg reaches them
     # all; a Ctrl-C at the terminal then reaches each rank twice (directly and forwarded), which
-    # the trainer counts as one (training/trainer.py, _StopFlag)
+    # the trainer counts as one (training/signals.py, StopFlag)
     procs = [subprocess.Popen(list(cmd), env=rank_env(r, n, port, started_at, threads))
              for r in range(n)]
     forwarded: list[int] = []

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -42,7 +40,6 @@ from training.distributed import (
     any_true,
     broadcast_object,
     cleanup,
-    gather_objects,
     init_distributed,
 )
 from training.evaluate import EvalResult, LossResult, evaluate_batches
@@ -56,24 +53,17 @@ from training.init import (
     load_encoder,
     resolve_init,
 )
-from training.optim import (  # noqa: F401 (CosineWarmup, lr_at, layer_id: re-exported)
-    BudgetPlanner,
-    CosineWarmup,
-    LrSchedule,
-    ModelEma,
-    build_optimizer,
-    layer_id,
-    lr_at,
-    param_groups,
-)
+from training.optim import BudgetPlanner, LrSchedule, ModelEma, build_optimizer
 from training.progress import Progress
 from training.recipes import Recipe, apply_overrides, validate_recipe
 from training.resolution import ResolutionSchedule
-from training.step import (  # noqa: F401 (soft_cross_entropy, train_step: re-exported)
+from training.run_budget import BudgetedRun
+from training.run_state import CheckpointedRun
+from training.signals import StopFlag
+from training.step import (
     StepWindow,
     freeze_encoder,
     seed_everything,
-    soft_cross_entropy,
     train_step,
     training_precision,
     use_fused_attention,
@@ -87,13 +77,7 @@ from vit_service.models.layers import attention_path, set_fused_attn
 
 log = logging.getLogger(__name__)
 
-EXIT_SIGTERM, EXIT_SIGINT = 143, 130
-# budget mode: seconds kept free at the end, besides the last evaluation, for the checkpoint,
-# the artifacts, the bundle and the registration (measured: 2-5 s on 2 CPU cores), plus 1 % of
-# the budget as a margin for the noise in the throughput estimate
-PUBLISH_RESERVE_S = 5.0
 WHITEN_IMAGES = 5000  # training images whose patches set init.whiten_patches
-BUDGET_MARGIN = 0.01
 
 
 # ----------------------------------------------------------------------------- the run
@@ -112,38 +96,6 @@ class TrainResult:
     registered_version: str | None = None
     checkpoint: Path | None = None
     exit_code: int = 0
-
-
-class _StopFlag:
-    """SIGTERM/SIGINT -> finish the current step, checkpoint, exit."""
-
-    REPEAT_S = 1.0  # a second SIGINT sooner than this is the same Ctrl-C delivered twice
-    # (the terminal's and the one ``processes: N``'s launcher forwards: training/launch.py)
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._at = 0.0
-        self._old: dict[int, Any] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signals can only be handled in the main thread (e.g. the jobs API)
-        for s in (signal.SIGTERM, signal.SIGINT):
-            self._old[s] = signal.signal(s, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
-            if (signum == signal.SIGINT
-                    and time.monotonic() - self._at > self.REPEAT_S):
-                raise KeyboardInterrupt  # second Ctrl-C: give up immediately
-            return
-        self.signum, self._at = signum, time.monotonic()
-        log.warning("received %s: stopping after this step", signal.Signals(signum).name)
-
-    def restore(self) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        self._old.clear()
 
 
 def _default_run_name(recipe: Recipe) -> str:
@@ -199,7 +151,10 @@ def prepare_run(
                 mlflow_enabled, progress, started_at)
 
 
-class _Run:
+class _Run(BudgetedRun, CheckpointedRun):
+    """One training run: set up in ``__init__`` (:func:`prepare_run`), trained by :meth:`run`;
+    the budget-mode steps and the checkpoint state are its mixins'."""
+
     def __init__(self, recipe: Recipe, dist: DistInfo, settings: Settings,
                  data_dir: str | Path | None, run_name: str | None,
                  ckpt: dict[str, Any] | None, tracking_uri: str | None, register: bool,
@@ -299,7 +254,7 @@ class _Run:
             from training.reporting import MlflowRun
 
             self.mlrun = MlflowRun(tracking_uri, settings)
-        self.stop = _StopFlag()
+        self.stop = StopFlag()
 
     # ------------------------------------------------------------------ set-up
 
@@ -352,60 +307,6 @@ class _Run:
                 {"recipe": r.name, "run_name": self.run_name, "mlflow_run_id": run_id}))
             (self.run_dir / "recipe.yaml").write_text(r.to_yaml())
         return run_id
-
-    def _load_state(self, ck: dict[str, Any]) -> None:
-        self.model.load_state_dict(ck["model"])
-        if self.ema is not None and ck.get("ema") is not None:
-            self.ema.load_state_dict(ck["ema"])
-        self.optimizer.load_state_dict(ck["optimizer"])
-        self.scheduler.load_state_dict(ck["scheduler"])
-        if self.budget is not None and ck.get("budget"):
-            self.budget.load_state_dict(ck["budget"])
-        if self.budget is not None or ck["scheduler"].get("total_steps"):
-            self.total_steps = self.scheduler.total_steps
-        self.step, self.epoch = int(ck["step"]), int(ck["epoch"])
-        self.batch_in_epoch = int(ck["batch_in_epoch"])
-        rngs = ck.get("rng") or []
-        if len(rngs) == self.dist.world_size:
-            ckpt_io.set_rng_state(rngs[self.dist.rank])
-        else:
-            log.warning("checkpoint has RNG states for %d ranks, running %d: reseeding",
-                        len(rngs), self.dist.world_size)
-            seed_everything(self.recipe.seed + self.dist.rank + self.step)
-        m = ck.get("metrics") or {}
-        if m.get("val_acc") is not None or m.get("val_loss") is not None:
-            self.last_eval_step = int(m.get("eval_step", -1))
-
-    def _state(self, status: str, run_id: str | None) -> dict[str, Any]:
-        rngs = gather_objects(ckpt_io.rng_state(), self.dist)
-        return {
-            "model": self.model.state_dict(),
-            "ema": self.ema.state_dict() if self.ema is not None else None,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "budget": self.budget.state_dict() if self.budget is not None else None,
-            "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-            "rng": rngs,
-            "recipe": self.recipe.to_dict(),
-            "objective": self.recipe.objective,
-            "model_config": self.model_config,  # the (encoder's, when pretraining) config
-            "tokenizer": self.task.tokenizer.to_str() if self.task.tokenizer else None,
-            "lineage": self.lineage.to_dict(),
-            "mlflow_run_id": run_id, "run_name": self.run_name, "status": status,
-            "world_size": self.dist.world_size,
-            "metrics": {
-                "val_acc": self.last_eval.acc if self.last_eval else None,
-                "val_loss": self.last_eval.loss if self.last_eval else None,
-                "eval_step": self.last_eval_step,
-            },
-        }
-
-    def _save(self, status: str, run_id: str | None) -> Path:
-        state = self._state(status, run_id)  # collective in DDP: every rank takes part
-        if self.dist.is_main:
-            ckpt_io.save_checkpoint(self.ckpt_path, state)
-        self._saved_step = self.step
-        return self.ckpt_path
 
     # ------------------------------------------------------------------ loop
 
@@ -583,79 +484,6 @@ class _Run:
         if self.budget is not None:
             self.budget.resume()
 
-    # ------------------------------------------------------------------ budget
-
-    def _budget_reserve(self, eval_s: float) -> float:
-        assert self.recipe.budget_minutes is not None
-        from training.publish import records_bf16_val
-
-        # the bf16 validation as served (training/publish.py) runs on rank 0 over every rank's
-        # rows; it is faster than the fp32 one, so one more eval_s per rank bounds it
-        served = eval_s * self.dist.world_size if records_bf16_val(self) else 0.0
-        return (PUBLISH_RESERVE_S + eval_s + served
-                + BUDGET_MARGIN * self.recipe.budget_minutes * 60)
-
-    def _budget_probe(self) -> None:
-        """Time one validation batch to estimate what an evaluation costs (the plan keeps room
-        for the intermediate ones and the last one)."""
-        assert self.budget is not None
-        if self.budget.eval_s > 0:
-            return  # resumed: measured before
-        t0 = time.perf_counter()
-        bs = self.recipe.eval_batch_size
-        model = self.eval_model()
-        with torch.no_grad(), attention_path(model, fused=True):
-            for batch in self.task.val_batches(bs):
-                if self.recipe.pretraining:
-                    self.task.pretrain_loss(model, batch)
-                else:  # as evaluate() runs it: eval mode (all patches, flip TTA), fused
-                    model.eval()
-                    self.task.forward(model, batch)
-                n = int(batch.labels.shape[0])
-                break
-            else:
-                return
-        self._set_train_mode()
-        per_example = (time.perf_counter() - t0) / max(1, n)
-        self.budget.eval_s = per_example * self.task.n_val / max(1, self.dist.world_size)
-        self.budget.reserve_s = self._budget_reserve(self.budget.eval_s)
-        log.info("budget %.1f min: one evaluation ~%.1fs, %.0fs kept for the end",
-                 self.budget.budget_s / 60, self.budget.eval_s, self.budget.reserve_s)
-
-    def _budget_replan(self) -> None:
-        assert self.budget is not None
-        spe = self.steps_per_epoch
-        stage = self.resolution.stage if self.resolution is not None else 0
-        planned = self.budget.observe(self.step, steps_per_eval=spe * self.recipe.eval_every,
-                                      stage=stage)
-        if planned is None:
-            return
-        # every rank follows rank 0's plan (their clocks and rates differ slightly)
-        planned = int(broadcast_object(planned, self.dist)) if self.dist.enabled else planned
-        first, self._budget_logged = not self._budget_logged, True
-        if first and self.recipe.optim.warmup_fraction is not None:
-            self.scheduler.warmup_steps = max(self.step + 1, min(
-                self._warmup_steps(planned), planned - 1))
-        # a plan that cuts the run at the update just made (which ran at the lr of the older,
-        # longer plan) gets one more update, at the final lr; a run already at its end stops
-        self.scheduler.set_total_steps(max(planned, min(self.step + 1, self.total_steps)))
-        self.total_steps = self.scheduler.total_steps
-        self.progress.total_steps = self.total_steps
-        if first:
-            fp = self.budget.first_plan or {}
-            log.info("budget: %.2f steps/s measured -> %d steps (%.1f epochs)",
-                     fp.get("steps_per_s", 0.0), self.total_steps, self.total_steps / spe)
-            if self.mlrun is not None:
-                self.mlrun.log_params({
-                    "budget.measured_steps_per_s": round(fp.get("steps_per_s", 0.0), 4),
-                    "budget.measured_items_per_s": round(
-                        fp.get("steps_per_s", 0.0) * self.recipe.batch_size, 1),
-                    "budget.first_planned_steps": self.total_steps,
-                    "budget.reserve_s": round(self.budget.reserve_s, 1)})
-        if self.mlrun is not None:
-            self.mlrun.log_metrics({"budget/planned_steps": self.total_steps,
-                                    "budget/steps_per_s": self.budget.rate or 0.0}, self.step)
-
     def _log_window(self, win: StepWindow, lr: float) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -672,7 +500,7 @@ class _Run:
     def _finish(self, status: str, run_id: str | None) -> TrainResult:
         exit_code = 0
         if status == "interrupted":
-            exit_code = EXIT_SIGINT if self.stop.signum == signal.SIGINT else EXIT_SIGTERM
+            exit_code = self.stop.exit_code
         if self._saved_step != self.step or status != "finished":
             self._save("finished" if status == "finished" else status, run_id)
         version = None

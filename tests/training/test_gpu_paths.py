@@ -23,8 +23,9 @@ from training.evaluate import evaluate_batches
 from training.optim import build_optimizer
 from training.progress import Progress
 from training.recipes import load_recipe
+from training.step import train_step
 from training.tasks import build_task
-from training.trainer import prepare_run, train, train_step
+from training.trainer import prepare_run, train
 from vit_service.config import Settings
 from vit_service.hardware import has_cxx_compiler
 

@@ -16,7 +16,7 @@ import pytest
 from tests.training.conftest import QUIET, REPO, mlflow_client, progress_events
 from training import launch
 from training.checkpoint import load_checkpoint
-from training.trainer import _StopFlag
+from training.signals import StopFlag
 
 PY = sys.executable
 
@@ -71,7 +71,7 @@ def test_a_signal_reaches_every_rank_and_rank_0_gives_the_code(tmp_path: Path) -
 
 
 def test_a_doubly_delivered_ctrl_c_is_one_stop_request() -> None:
-    flag = _StopFlag()
+    flag = StopFlag()
     flag._handle(signal.SIGINT, None)
     flag._handle(signal.SIGINT, None)  # the forwarded copy, milliseconds later: no abort
     assert flag.signum == signal.SIGINT

@@ -25,8 +25,9 @@ from PIL import Image
 from tests.training.conftest import QUIET, mlflow_client, progress_events, run_artifacts
 from training.checkpoint import load_checkpoint
 from training.init import InitError, Lineage
+from training.optim import CosineWarmup, layer_id, param_groups
 from training.recipes import RecipeError, load_recipe
-from training.trainer import CosineWarmup, layer_id, param_groups, prepare_run, train
+from training.trainer import prepare_run, train
 from vit_service.config import Settings
 from vit_service.models import build_model, create_model
 from vit_service.models.mae import MAE, MAEConfig

@@ -16,7 +16,8 @@ import torch
 from tests.training.conftest import QUIET, REPO, mlflow_client, progress_events, run_artifacts
 from training.checkpoint import LAST, load_checkpoint
 from training.recipes import load_recipe
-from training.trainer import EXIT_SIGTERM, train
+from training.signals import EXIT_SIGTERM
+from training.trainer import train
 from vit_service.config import Settings
 
 

@@ -10,14 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from training import checkpoint as ck
+from training.optim import CosineWarmup, ModelEma, lr_at, param_groups
 from training.progress import Progress
-from training.trainer import (
-    CosineWarmup,
-    ModelEma,
-    lr_at,
-    param_groups,
-    soft_cross_entropy,
-)
+from training.step import soft_cross_entropy
 from vit_service.models import create_model
 
 
