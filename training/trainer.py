@@ -42,7 +42,7 @@ from training.distributed import (
     cleanup,
     init_distributed,
 )
-from training.evaluate import EvalResult, LossResult, evaluate_batches
+from training.evaluate import EvalResult, LossResult, evaluate_batches, evaluate_in_precision
 from training.init import (
     InitError,
     InitSource,
@@ -74,6 +74,7 @@ from vit_service.data.tokenizer import TextTokenizer
 from vit_service.hardware import has_cxx_compiler
 from vit_service.models import config_to_dict, count_parameters
 from vit_service.models.layers import attention_path, set_fused_attn
+from vit_service.precision import resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -313,14 +314,23 @@ class _Run(BudgetedRun, CheckpointedRun):
     def eval_model(self) -> nn.Module:
         return self.ema.module if self.ema is not None else self.model
 
-    def evaluate(self) -> EvalResult | LossResult:
+    def evaluate(self, final: bool = True) -> EvalResult | LossResult:
+        """A validation pass; ``final=False`` (an intermediate one, for the curve) runs in the
+        served precision when the recipe says ``val_precision: served``."""
         reduce = (lambda t: all_reduce_sum(t, self.dist)) if self.dist.enabled else None
         res: EvalResult | LossResult
+        served = (resolve_precision("auto", self.device)
+                  if not final and self.recipe.val_precision == "served" else "fp32")
         if self.recipe.pretraining:
             with torch.autocast(self.device.type, dtype=self.eval_amp_dtype or torch.bfloat16,
                                 enabled=self.eval_amp_dtype is not None):
                 res = self.task.pretrain_eval(self.eval_model(), self.recipe.eval_batch_size,
                                               reduce)
+        elif served == "bf16":  # autocast on the explicit path, as the server runs it
+            res = evaluate_in_precision(self.eval_model(),
+                                        self.task.val_batches(self.recipe.eval_batch_size),
+                                        self.task.forward, self.task.class_names, self.device,
+                                        served, reduce)
         else:
             batches = self.task.val_batches(self.recipe.eval_batch_size)
             model = self.eval_model()
@@ -464,7 +474,7 @@ class _Run(BudgetedRun, CheckpointedRun):
         res = None
         if self.epoch % r.eval_every == 0 or done:
             t_eval = time.perf_counter()
-            res = self.evaluate()
+            res = self.evaluate(final=done)
             if self.budget is not None:  # what one evaluation costs, for the plan
                 self.budget.eval_s = time.perf_counter() - t_eval
         metrics = {**(self._val_metrics(res) if res is not None else {}), "epoch": self.epoch,
