@@ -55,7 +55,8 @@ def use_fused_attention(choice: str, device: torch.device, amp_dtype: torch.dtyp
     sequences and its bf16 backward far slower (fwd + bwd of one layer, B x H x T x D =
     128x4x33x32: fused 35 ms, explicit 5.7 ms; 32x2x320x64: 72 vs 29 ms; docs/training.md).
     In fp32 on the CPU the two paths measured within noise of each other, so fp32 keeps the
-    fused one. Evaluation always takes the fused path (``Trainer.evaluate``)."""
+    fused one. Evaluation takes the fused path in fp32 (``_Run.evaluate``; intermediate passes
+    with ``val_precision: served`` the explicit bf16 one, as served)."""
     if choice == "auto":
         return not (device.type == "cpu" and amp_dtype is not None)
     return choice == "fused"

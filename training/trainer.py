@@ -7,7 +7,8 @@ lr decay, or only the head for a frozen-encoder linear probe) and the per-update
 (:mod:`training.optim`: warm-up, cosine or linear decay to ``min_lr`` on the last update), an
 optional EMA; runs steps (:mod:`training.step`: soft-target cross-entropy - label smoothing,
 CutMix/Mixup - or, for the ``mae`` / ``mlm`` objectives, the model's own loss; gradient
-clipping; bf16 autocast and ``torch.compile`` where asked); evaluates every epoch; checkpoints
+clipping; bf16 autocast and ``torch.compile`` where asked); evaluates every ``eval_every``
+epochs (the last pass always fp32); checkpoints
 atomically; logs to MLflow; and at the end publishes (:mod:`training.publish`): the bundle, its
 registration and the ``champion`` alias if it is better.
 
@@ -241,6 +242,7 @@ class _Run(BudgetedRun, CheckpointedRun):
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.last_eval: EvalResult | LossResult | None = None
         self.last_eval_step = -1
+        self.last_eval_fp32 = True  # the last pass ran fp32 (what a run reports and registers)
         self._saved_step = -1
 
         if run_name is None:
@@ -340,6 +342,7 @@ class _Run(BudgetedRun, CheckpointedRun):
                                        self.task.class_names, self.device, self.eval_amp_dtype,
                                        reduce)
         self.last_eval, self.last_eval_step = res, self.step
+        self.last_eval_fp32 = served == "fp32"
         self._set_train_mode()
         return res
 
@@ -474,7 +477,9 @@ class _Run(BudgetedRun, CheckpointedRun):
         res = None
         if self.epoch % r.eval_every == 0 or done:
             t_eval = time.perf_counter()
-            res = self.evaluate(final=done)
+            # the run's last pass (the schedule's end, or max_steps) is the fp32 one
+            res = self.evaluate(final=done or (r.max_steps is not None
+                                               and self.step >= r.max_steps))
             if self.budget is not None:  # what one evaluation costs, for the plan
                 self.budget.eval_s = time.perf_counter() - t_eval
         metrics = {**(self._val_metrics(res) if res is not None else {}), "epoch": self.epoch,
@@ -514,8 +519,9 @@ class _Run(BudgetedRun, CheckpointedRun):
         if self._saved_step != self.step or status != "finished":
             self._save("finished" if status == "finished" else status, run_id)
         version = None
-        if status != "interrupted" and self.last_eval_step != self.step:
-            res = self.evaluate()  # stopped mid-epoch: evaluate where we are
+        if status != "interrupted" and (self.last_eval_step != self.step
+                                         or not self.last_eval_fp32):
+            res = self.evaluate()  # stopped mid-epoch (or last pass as served): fp32, here
             if self.mlrun is not None:
                 self.mlrun.log_metrics(self._val_metrics(res), self.step)
         if self.dist.is_main and status != "interrupted" and self.last_eval is not None:

@@ -170,51 +170,59 @@ def test_a_run_on_a_bf16_cpu_records_the_accuracy_the_bf16_server_answers_with(
     assert extra["val_acc_bf16"] == pytest.approx(correct / n, abs=1e-9)
 
 
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(("native", "stop"), [(True, None), (False, None), (True, "max_steps")])
 def test_val_precision_served_runs_the_intermediate_passes_as_served(
-        tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+        tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch, native: bool,
+        stop: str | None) -> None:
     """``val_precision: served``: the passes before the last run as the server answers on this
-    CPU (bf16 autocast on the explicit path where it has native bf16, fp32 elsewhere); the last
-    pass, the one the run reports and registers, stays fp32 on the fused path. Each recorded
-    figure is the accuracy of that precision's forward of the model at that step."""
+    CPU (bf16 autocast on the explicit path where it has native bf16, fp32 on the fused path
+    elsewhere); the last pass, the one the run reports and registers, is fp32 on the fused path,
+    also when ``max_steps`` ends the run on an epoch boundary. What each pass ran is observed in
+    the forward itself, and each figure is recomputed with that forward."""
     monkeypatch.setattr("vit_service.precision.cpu_has_native_bf16", lambda: native)
     torch.set_num_threads(1)
     settings = Settings(home=tmp_path / "home", cache_dir=data_dir.parent / "cache")
-    recipe = load_recipe("cifar10-smoke", {"device": "cpu", "epochs": 3, "eval_every": 1,
-                                           "attention_samples": 0, "val_precision": "served"})
-    run = prepare_run(recipe, data_dir=data_dir, settings=settings, mlflow_enabled=False,
-                      register=False, progress=Progress(json_lines=True, stream=io.StringIO()))
-    passes: list[tuple[torch.dtype | None, bool, float]] = []
-    real_evaluate = training.trainer.evaluate_batches
-    real_in_precision = training.trainer.evaluate_in_precision
+    overrides: dict[str, object] = {"device": "cpu", "epochs": 3, "eval_every": 1,
+                                    "attention_samples": 0, "val_precision": "served"}
+    if stop == "max_steps":  # the second epoch's end: its pass is the run's last
+        probe = prepare_run(load_recipe("cifar10-smoke", overrides), data_dir=data_dir,
+                            settings=settings, mlflow_enabled=False, register=False)
+        overrides["max_steps"] = 2 * probe.steps_per_epoch
+    run = prepare_run(load_recipe("cifar10-smoke", overrides), data_dir=data_dir,
+                      settings=settings, mlflow_enabled=False, register=False,
+                      progress=Progress(json_lines=True, stream=io.StringIO()))
+    seen: list[tuple[bool, bool]] = []  # per eval-mode forward: (bf16 autocast, fused)
+    real_forward = run.task.forward
 
-    def check(model: torch.nn.Module, dtype: torch.dtype | None, acc: float) -> None:
-        """The pass's figure against the same forward run here, batch by batch."""
-        fused = [m.fused_attn for m in model.modules() if isinstance(m, Attention)]
-        passes.append((dtype, all(fused), acc))
-        correct = n = 0
-        with torch.inference_mode(), torch.autocast("cpu", BF16, enabled=dtype is not None):
+    def forward(model: torch.nn.Module, batch: object) -> torch.Tensor:
+        if not model.training:
+            seen.append((torch.is_autocast_enabled("cpu")
+                         and torch.get_autocast_dtype("cpu") == BF16,
+                         all(m.fused_attn for m in model.modules() if isinstance(m, Attention))))
+        return real_forward(model, batch)
+
+    passes: list[tuple[set[tuple[bool, bool]], float]] = []
+    real_eval = run.evaluate
+
+    def evaluate(final: bool = True) -> object:
+        start = len(seen)
+        res = real_eval(final=final)
+        passes.append((set(seen[start:]), res.acc))
+        (bf16, fused), = passes[-1][0]  # one way for the whole pass
+        model, correct, n = run.eval_model(), 0, 0
+        with torch.inference_mode(), torch.autocast("cpu", BF16, enabled=bf16), \
+                attention_path(model, fused=fused):
             for batch in run.task.val_batches(64):
-                correct += int((run.task.forward(model, batch).argmax(-1) == batch.labels).sum())
+                correct += int((real_forward(model, batch).argmax(-1) == batch.labels).sum())
                 n += int(batch.labels.numel())
-        assert acc == pytest.approx(correct / n, abs=1e-9)
-
-    def spy_fp32(model: torch.nn.Module, batches: object, forward: object, names: object,
-                 device: object, dtype: torch.dtype | None = None, *a: object) -> object:
-        res = real_evaluate(model, batches, forward, names, device, dtype, *a)
-        check(model, dtype, res.acc)
+        assert res.acc == pytest.approx(correct / n, abs=1e-9)
         return res
 
-    def spy_served(model: torch.nn.Module, *args: object) -> object:
-        res = real_in_precision(model, *args)
-        with attention_path(model, fused=False):
-            check(model, BF16, res.acc)
-        return res
-
-    monkeypatch.setattr("training.trainer.evaluate_batches", spy_fp32)
-    monkeypatch.setattr("training.trainer.evaluate_in_precision", spy_served)
+    monkeypatch.setattr(run.task, "forward", forward)
+    monkeypatch.setattr(run, "evaluate", evaluate)
     res = run.run()
-    assert res.status == "finished" and len(passes) == 3
-    inner = (BF16, False) if native else (None, True)
-    assert [p[:2] for p in passes] == [inner, inner, (None, True)]
-    assert res.val_acc == passes[-1][2]
+    inner, last = {(True, False) if native else (False, True)}, {(False, True)}
+    n_passes = 2 if stop == "max_steps" else 3
+    assert res.status == ("stopped" if stop else "finished")
+    assert [p[0] for p in passes] == [inner] * (n_passes - 1) + [last]
+    assert res.val_acc == passes[-1][1]
