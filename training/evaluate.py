@@ -183,13 +183,12 @@ def evaluate_bundle(
 
 def evaluate_in_precision(model: nn.Module, batches: Iterable[Any],
                           forward: Callable[[nn.Module, Any], Tensor], class_names: list[str],
-                          device: torch.device, precision: Precision,
-                          reduce: Callable[[Tensor], Tensor] | None = None) -> EvalResult:
+                          device: torch.device, precision: Precision) -> EvalResult:
     """:func:`evaluate_batches` with the model run as the server runs it in ``precision``
     (bf16: autocast on the explicit attention path; fp32: the fused path)."""
     with attention_path(model, fused=precision == "fp32"):
         return evaluate_batches(model, batches, forward, class_names, device,
-                                autocast_dtype(precision), reduce)
+                                autocast_dtype(precision))
 
 
 def bundle_val_rows(meta: Any, labels: np.ndarray) -> np.ndarray:

@@ -43,7 +43,7 @@ from training.distributed import (
     cleanup,
     init_distributed,
 )
-from training.evaluate import EvalResult, LossResult, evaluate_batches, evaluate_in_precision
+from training.evaluate import EvalResult, LossResult, evaluate_batches
 from training.init import (
     InitError,
     InitSource,
@@ -75,7 +75,7 @@ from vit_service.data.tokenizer import TextTokenizer
 from vit_service.hardware import has_cxx_compiler
 from vit_service.models import config_to_dict, count_parameters
 from vit_service.models.layers import attention_path, set_fused_attn
-from vit_service.precision import resolve_precision
+from vit_service.precision import autocast_dtype, resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,6 @@ class _Run(BudgetedRun, CheckpointedRun):
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.last_eval: EvalResult | LossResult | None = None
         self.last_eval_step = -1
-        self.last_eval_fp32 = True  # the last pass ran fp32 (what a run reports and registers)
         self._saved_step = -1
 
         if run_name is None:
@@ -328,21 +327,17 @@ class _Run(BudgetedRun, CheckpointedRun):
                                 enabled=self.eval_amp_dtype is not None):
                 res = self.task.pretrain_eval(self.eval_model(), self.recipe.eval_batch_size,
                                               reduce)
-        elif served == "bf16":  # autocast on the explicit path, as the server runs it
-            res = evaluate_in_precision(self.eval_model(),
-                                        self.task.val_batches(self.recipe.eval_batch_size),
-                                        self.task.forward, self.task.class_names, self.device,
-                                        served, reduce)
         else:
             batches = self.task.val_batches(self.recipe.eval_batch_size)
             model = self.eval_model()
-            with attention_path(model, fused=True):  # no weights needed: fused (the CPU's
-                # explicit path measured 0.7x for the flip-TTA validation forward)
+            # fp32: no weights needed, fused (the CPU's explicit path measured 0.7x for the
+            # flip-TTA validation forward); served bf16: autocast on the explicit path, as served
+            fused = served == "fp32"
+            dtype = self.eval_amp_dtype if fused else autocast_dtype(served)
+            with attention_path(model, fused=fused):
                 res = evaluate_batches(model, batches, self.task.forward,
-                                       self.task.class_names, self.device, self.eval_amp_dtype,
-                                       reduce)
+                                       self.task.class_names, self.device, dtype, reduce)
         self.last_eval, self.last_eval_step = res, self.step
-        self.last_eval_fp32 = served == "fp32"
         self._set_train_mode()
         return res
 
@@ -430,7 +425,7 @@ class _Run(BudgetedRun, CheckpointedRun):
         while self.step < self.total_steps:
             t_epoch = time.perf_counter()
             while self.batch_in_epoch < self.steps_per_epoch and self.step < self.total_steps:
-                if r.max_steps is not None and self.step >= r.max_steps:
+                if self._at_max_steps():
                     return "stopped"
                 if any_true(self.stop.signum is not None, self.dist):
                     return "interrupted"
@@ -467,6 +462,9 @@ class _Run(BudgetedRun, CheckpointedRun):
             win.reset()  # keep evaluation and checkpointing out of the throughput window
         return "finished"
 
+    def _at_max_steps(self) -> bool:
+        return self.recipe.max_steps is not None and self.step >= self.recipe.max_steps
+
     def _end_epoch(self, t_epoch: float, run_id: str | None) -> None:
         r = self.recipe
         if self.budget is not None:
@@ -477,9 +475,9 @@ class _Run(BudgetedRun, CheckpointedRun):
         res = None
         if self.epoch % r.eval_every == 0 or done:
             t_eval = time.perf_counter()
-            # the run's last pass (the schedule's end, or max_steps) is the fp32 one
-            res = self.evaluate(final=done or (r.max_steps is not None
-                                               and self.step >= r.max_steps))
+            # the run's last pass (the schedule's end, or max_steps) is the fp32 one; a run
+            # that ends mid-epoch gets its fp32 pass in _finish
+            res = self.evaluate(final=done or self._at_max_steps())
             if self.budget is not None:  # what one evaluation costs, for the plan
                 self.budget.eval_s = time.perf_counter() - t_eval
         metrics = {**(self._val_metrics(res) if res is not None else {}), "epoch": self.epoch,
@@ -519,9 +517,8 @@ class _Run(BudgetedRun, CheckpointedRun):
         if self._saved_step != self.step or status != "finished":
             self._save("finished" if status == "finished" else status, run_id)
         version = None
-        if status != "interrupted" and (self.last_eval_step != self.step
-                                         or not self.last_eval_fp32):
-            res = self.evaluate()  # stopped mid-epoch (or last pass as served): fp32, here
+        if status != "interrupted" and self.last_eval_step != self.step:
+            res = self.evaluate()  # stopped mid-epoch: evaluate where we are
             if self.mlrun is not None:
                 self.mlrun.log_metrics(self._val_metrics(res), self.step)
         if self.dist.is_main and status != "interrupted" and self.last_eval is not None:
