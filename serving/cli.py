@@ -99,6 +99,9 @@ def run_api(settings: Settings, log_level: str) -> None:
     if settings.mlflow_ui_url:
         env["VIT_SERVICE_MLFLOW_UI_URL"] = settings.mlflow_ui_url
     os.environ.update(env)
+    from serving.workers import prepare_home
+
+    prepare_home(settings)
     # Prometheus: every worker writes its samples under this folder; /metrics sums them
     prom = Path(tempfile.mkdtemp(prefix="vit-service-prometheus-"))
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(prom)

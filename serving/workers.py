@@ -36,8 +36,25 @@ from pathlib import Path
 from typing import IO
 
 from serving.model_store import ModelLoadError, ModelStore
+from vit_service.config import Settings
 
 log = logging.getLogger(__name__)
+
+
+def prepare_home(settings: Settings) -> None:
+    """The first-start state of a home, made once by the supervisor before its workers start
+    (they would otherwise all find no table and all create it): the jobs table and, for a
+    local SQLite tracking store, MLflow's tables. Each is also safe to make concurrently
+    (the job store locks its schema), this just keeps N workers from racing at all."""
+    from serving.jobs.store import JobStore
+
+    JobStore(settings.resolved_jobs_db_url).engine.dispose()
+    uri = settings.resolved_tracking_uri
+    if uri.startswith("sqlite:///"):
+        from mlflow import MlflowClient
+
+        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        MlflowClient(uri, uri).search_experiments(max_results=1)  # runs MLflow's migrations
 
 
 class Leadership:

@@ -186,7 +186,8 @@ class BudgetPlanner:
     """Sizes a run to a wall-clock budget (see the module docstring).
 
     ``deadline`` is ``time.monotonic()`` seconds. ``reserve_s`` is kept free at the end for the
-    last evaluation and publishing; ``eval_s`` is the cost of one intermediate evaluation.
+    last evaluation and publishing (:meth:`keep_for_end` sizes it from measured costs);
+    ``eval_s`` is the cost of one intermediate evaluation.
 
     The rate is measured over the last ``window_s`` seconds of training (evaluations paused
     out), so it follows the machine's load; plans come every ``replan_every_s`` seconds, and
@@ -213,6 +214,34 @@ class BudgetPlanner:
         self.first_plan: dict[str, float] | None = None
         self._paused = 0.0  # seconds paused so far: training time = clock - paused
         self._pause_t: float | None = None
+        self.final_eval_s = 0.0
+        self.publish_s = 0.0
+
+    def keep_for_end(self, final_eval_s: float, publish_s: float,
+                     margin: float = 0.01) -> float:
+        """Size the reserve from what the end of the run was measured to cost: its last
+        validation pass(es) and its publishing, plus ``margin`` of the budget for the noise
+        of the throughput estimate. Returns the new ``reserve_s``."""
+        self.final_eval_s, self.publish_s = final_eval_s, publish_s
+        self.reserve_s = final_eval_s + publish_s + margin * self.budget_s
+        return self.reserve_s
+
+    def underrun_reason(self, wall_s: float, status: str, end_s: float | None,
+                        tolerance: float = 0.03) -> str | None:
+        """Why a run that ended more than ``tolerance`` of its budget early did so, in words
+        (None when it did not): what stopped it, or that its end (``end_s``: last
+        validation and publishing) cost less than the plan kept for it."""
+        early = self.budget_s - wall_s
+        if early <= tolerance * self.budget_s:
+            return None
+        if status != "finished":
+            return f"the run was {status} {early:.1f}s before its budget"
+        kept = self.final_eval_s + self.publish_s
+        if end_s is not None and kept - end_s > tolerance * self.budget_s:
+            return (f"the last validation and publishing took {end_s:.1f}s of the {kept:.1f}s "
+                    "measured for them before training")
+        return (f"ended {early:.1f}s early: the last throughput measured ({self.rate or 0:.2f} "
+                "steps/s) was lower than the rate of the final steps")
 
     # evaluations and checkpoints are not training time: pause the rate clock around them
     def pause(self) -> None:

@@ -30,11 +30,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# seconds kept free at the end, besides the last evaluation, for the checkpoint, the
-# artifacts, the bundle and the registration (measured: 2-5 s on 2 CPU cores), plus 1 % of the
-# budget as a margin for the noise in the throughput estimate
+# What the end of a run costs besides its validation is measured before training
+# (publish.rehearse_publish); until then the plan keeps this much, and afterwards a share of the
+# budget as a margin for the noise in the throughput estimate.
 PUBLISH_RESERVE_S = 5.0
 BUDGET_MARGIN = 0.01
+# registering in MLflow (database rows, the artifact copy) is the one part of the end the
+# rehearsal cannot do without logging; it costs tenths of a second against a local store
+REGISTER_S = 0.3
 
 
 class BudgetedRun:
@@ -58,15 +61,13 @@ class BudgetedRun:
         def _set_train_mode(self) -> None: ...
         def _warmup_steps(self, total_steps: int) -> int: ...
 
-    def _budget_reserve(self, eval_s: float) -> float:
-        assert self.recipe.budget_minutes is not None
+    def _final_eval_s(self, eval_s: float) -> float:
+        """The validation passes at the end: the fp32 one, and the bf16 one as served
+        (training/publish.py), which runs on rank 0 over every rank's rows and is faster than
+        the fp32 one, so one more eval_s per rank bounds it."""
         from training.publish import records_bf16_val
 
-        # the bf16 validation as served (training/publish.py) runs on rank 0 over every rank's
-        # rows; it is faster than the fp32 one, so one more eval_s per rank bounds it
-        served = eval_s * self.dist.world_size if records_bf16_val(self) else 0.0
-        return (PUBLISH_RESERVE_S + eval_s + served
-                + BUDGET_MARGIN * self.recipe.budget_minutes * 60)
+        return eval_s + (eval_s * self.dist.world_size if records_bf16_val(self) else 0.0)
 
     def _budget_probe(self) -> None:
         """Time one validation batch to estimate what an evaluation costs (the plan keeps room
@@ -91,9 +92,26 @@ class BudgetedRun:
         self._set_train_mode()
         per_example = (time.perf_counter() - t0) / max(1, n)
         self.budget.eval_s = per_example * self.task.n_val / max(1, self.dist.world_size)
-        self.budget.reserve_s = self._budget_reserve(self.budget.eval_s)
-        log.info("budget %.1f min: one evaluation ~%.1fs, %.0fs kept for the end",
-                 self.budget.budget_s / 60, self.budget.eval_s, self.budget.reserve_s)
+        publish_s = self._rehearse_publish()
+        self.budget.keep_for_end(self._final_eval_s(self.budget.eval_s), publish_s,
+                                 BUDGET_MARGIN)
+        log.info("budget %.1f min: one evaluation ~%.1fs, publishing ~%.1fs, %.1fs kept for "
+                 "the end", self.budget.budget_s / 60, self.budget.eval_s, publish_s,
+                 self.budget.reserve_s)
+
+    def _rehearse_publish(self) -> float:
+        """Seconds publishing will take (rank 0 publishes; every rank follows its plan)."""
+        from training.publish import rehearse_publish
+
+        publish_s = 0.0
+        if self.dist.is_main:
+            try:
+                publish_s = rehearse_publish(self) + (REGISTER_S if self.mlrun else 0.0)
+            except Exception:  # the plan falls back to the default; the run goes on
+                log.warning("could not rehearse publishing: keeping %.0fs for it",
+                            PUBLISH_RESERVE_S, exc_info=True)
+                publish_s = PUBLISH_RESERVE_S
+        return float(broadcast_object(publish_s, self.dist)) if self.dist.enabled else publish_s
 
     def _budget_replan(self) -> None:
         assert self.budget is not None
@@ -124,7 +142,8 @@ class BudgetedRun:
                     "budget.measured_items_per_s": round(
                         fp.get("steps_per_s", 0.0) * self.recipe.batch_size, 1),
                     "budget.first_planned_steps": self.total_steps,
-                    "budget.reserve_s": round(self.budget.reserve_s, 1)})
+                    "budget.reserve_s": round(self.budget.reserve_s, 1),
+                    "budget.publish_s": round(self.budget.publish_s, 2)})
         if self.mlrun is not None:
             self.mlrun.log_metrics({"budget/planned_steps": self.total_steps,
                                     "budget/steps_per_s": self.budget.rate or 0.0}, self.step)

@@ -58,7 +58,7 @@ from training.optim import BudgetPlanner, LrSchedule, ModelEma, build_optimizer
 from training.progress import Progress
 from training.recipes import Recipe, apply_overrides, validate_recipe
 from training.resolution import ResolutionSchedule
-from training.run_budget import BudgetedRun
+from training.run_budget import BUDGET_MARGIN, PUBLISH_RESERVE_S, BudgetedRun
 from training.run_state import CheckpointedRun
 from training.signals import StopFlag
 from training.step import (
@@ -236,7 +236,7 @@ class _Run(BudgetedRun, CheckpointedRun):
         if recipe.budget_minutes is not None:
             self.budget = BudgetPlanner(
                 recipe.budget_minutes * 60.0, started_at or time.monotonic(),
-                reserve_s=self._budget_reserve(0.0),
+                reserve_s=PUBLISH_RESERVE_S + BUDGET_MARGIN * recipe.budget_minutes * 60,
                 stages=self.resolution.stages if self.resolution is not None else None)
         self._budget_logged = False
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
@@ -511,6 +511,7 @@ class _Run(BudgetedRun, CheckpointedRun):
     # ------------------------------------------------------------------ end of run
 
     def _finish(self, status: str, run_id: str | None) -> TrainResult:
+        t_end = time.monotonic()  # training is over: what follows is the end the plan kept
         exit_code = 0
         if status == "interrupted":
             exit_code = self.stop.exit_code
@@ -525,13 +526,7 @@ class _Run(BudgetedRun, CheckpointedRun):
             version = self._publish(run_id)
         res = self.last_eval
         if self.budget is not None:
-            wall = time.monotonic() - self.budget.start
-            log.info("budget: %d steps in %.1fs of a %.0fs budget (%+.1f%%)", self.step, wall,
-                     self.budget.budget_s, 100 * (wall / self.budget.budget_s - 1))
-            if self.mlrun is not None:
-                self.mlrun.log_metrics({"budget/wall_s": wall, "budget/steps": self.step,
-                                        "budget/epochs": self.step / self.steps_per_epoch},
-                                       self.step)
+            self._budget_report(status, time.monotonic() - t_end)
         self.progress.end(status=status, step=self.step, epoch=self.epoch,
                           val_acc=res.acc if res else None, val_loss=res.loss if res else None,
                           registered_version=version, checkpoint=str(self.ckpt_path),
@@ -544,6 +539,27 @@ class _Run(BudgetedRun, CheckpointedRun):
         return TrainResult(status, self.step, self.epoch, self.run_name, self.run_dir,
                            res.acc if res else None, res.loss if res else None, run_id, version,
                            self.ckpt_path, exit_code)
+
+    def _budget_report(self, status: str, end_s: float) -> None:
+        """How the run kept its budget, in the log and in MLflow; a run that ended early says
+        why (``budget_underrun_reason``)."""
+        assert self.budget is not None
+        b = self.budget
+        wall = time.monotonic() - b.start
+        log.info("budget: %d steps in %.1fs of a %.0fs budget (%+.1f%%); the end took %.1fs "
+                 "(%.1fs kept for it)", self.step, wall, b.budget_s,
+                 100 * (wall / b.budget_s - 1), end_s, b.final_eval_s + b.publish_s)
+        if self.recipe.max_steps is not None and self.step >= self.recipe.max_steps:
+            status = "stopped by max_steps"
+        reason = b.underrun_reason(wall, status, end_s)
+        if reason is not None:
+            log.warning("budget underrun: %s", reason)
+        if self.mlrun is not None:
+            self.mlrun.log_metrics({"budget/wall_s": wall, "budget/steps": self.step,
+                                    "budget/epochs": self.step / self.steps_per_epoch,
+                                    "budget/end_s": end_s}, self.step)
+            if reason is not None:
+                self.mlrun.log_params({"budget_underrun_reason": reason})
 
     def _publish(self, run_id: str | None) -> str | None:
         """Artifacts, bundle, registration (rank 0): :mod:`training.publish`."""

@@ -109,6 +109,20 @@ def log_bundle(
     does not predict labels, it is what fine-tuning starts from.
     Returns the new registered version (as a string) or ``None``.
     """
+    info = mlflow.pyfunc.log_model(name="model", registered_model_name=registered_name,
+                                   **_pyfunc_kwargs(bundle_dir, task))
+    version = info.registered_model_version
+    return str(version) if version is not None else None
+
+
+def save_bundle_model(bundle_dir: str | Path, task: str, path: str | Path) -> Path:
+    """The pyfunc model :func:`log_bundle` logs, written to a local folder instead (nothing is
+    logged): what a training run in budget mode times to know what its end costs."""
+    mlflow.pyfunc.save_model(path=str(path), **_pyfunc_kwargs(bundle_dir, task))
+    return Path(path)
+
+
+def _pyfunc_kwargs(bundle_dir: str | Path, task: str) -> dict[str, Any]:
     import json
 
     import pandas as pd
@@ -119,17 +133,11 @@ def log_bundle(
     example_out = pd.DataFrame({"label": ["x"], "index": [0], "probability": [0.5]})
     meta = json.loads((Path(bundle_dir) / "meta.json").read_text())
     classifier = bool(meta.get("class_names"))
-    info = mlflow.pyfunc.log_model(
-        name="model",
-        python_model=BundlePyfunc(),
-        artifacts={BUNDLE_ARTIFACT: str(bundle_dir)},
-        signature=infer_signature(example_in, example_out if classifier else None),
-        input_example=example_in if classifier else None,
-        registered_model_name=registered_name,
-        pip_requirements=["vit-service", "torch", "pillow", "tokenizers", "pandas"],
-    )
-    version = info.registered_model_version
-    return str(version) if version is not None else None
+    return {"python_model": BundlePyfunc(),
+            "artifacts": {BUNDLE_ARTIFACT: str(bundle_dir)},
+            "signature": infer_signature(example_in, example_out if classifier else None),
+            "input_example": example_in if classifier else None,
+            "pip_requirements": ["vit-service", "torch", "pillow", "tokenizers", "pandas"]}
 
 
 def _example_input(task: str) -> str:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import fcntl
 import json
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -13,6 +16,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     DateTime,
+    Engine,
     Integer,
     String,
     Text,
@@ -125,6 +129,40 @@ def _column_values(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def _schema_lock(engine: Engine, url: str) -> Iterator[None]:
+    """Creating the tables is check-then-create: several API processes starting at once on a
+    new database (``serve --workers N`` on a fresh home, two hosts on one PostgreSQL) would
+    each see no table and each create it, all but one failing. Serialise it: a file lock
+    beside a SQLite file, an advisory lock on PostgreSQL (held on its own connection until
+    the schema is made), nothing for an in-memory database."""
+    if url.startswith("sqlite"):
+        db = url.removeprefix("sqlite:///")
+        if not db or db == ":memory:" or not url.startswith("sqlite:///"):
+            yield
+            return
+        with open(f"{db}.schema-lock", "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+        return
+    if engine.dialect.name == "postgresql":
+        with engine.connect() as conn:
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _SCHEMA_LOCK_KEY})
+            try:
+                yield
+            finally:
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _SCHEMA_LOCK_KEY})
+                conn.commit()
+        return
+    yield
+
+
+_SCHEMA_LOCK_KEY = 0x76697473  # "vits": the advisory lock id of this schema
+
+
 class JobStore:
     """Thread-safe CRUD over the jobs table (each call opens its own session)."""
 
@@ -135,8 +173,9 @@ class JobStore:
         if url.startswith("sqlite"):
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
         self.engine = create_engine(url, pool_pre_ping=True, **kwargs)
-        _Base.metadata.create_all(self.engine)
-        self._add_missing_columns()
+        with _schema_lock(self.engine, url):
+            _Base.metadata.create_all(self.engine)
+            self._add_missing_columns()
         self._session = sessionmaker(self.engine, expire_on_commit=False)
 
     def create(

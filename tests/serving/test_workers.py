@@ -153,3 +153,35 @@ def test_two_workers_one_leader_one_version(registry, tmp_path: Path) -> None:
                 w.kill()
         client.set_registered_model_alias("reload-vit", tracking.CHAMPION, "1")
         server.stop()
+
+
+def test_workers_start_together_on_an_empty_home(tmp_path: Path) -> None:
+    """``serve --workers 3`` on a home that has no database yet: every worker creates its
+    first-start state at once (the jobs table, MLflow's tables); none may die doing it."""
+    import sqlite3
+
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("VIT_SERVICE_", "MLFLOW_", "PROMETHEUS_"))}
+    env.update({"VIT_SERVICE_HOME": str(home), "VIT_SERVICE_API_KEY": KEY,
+                "VIT_SERVICE_DATA_DIR": str(tmp_path / "data"), "LOG_LEVEL": "INFO"})
+    server = Server(env, home, args=("--workers", "3"))
+    server.start()
+    try:
+        deadline = time.monotonic() + 90
+        seen: dict[int, dict] = {}
+        while time.monotonic() < deadline and len(seen) < 3:
+            seen.update(_sample(server, 10))
+        assert len(seen) == 3, seen
+        assert server.get("/v1/jobs").status_code == 200
+    finally:
+        server.stop()
+    log = "\n".join(p.read_text() for p in home.glob("server-*.log"))
+    assert "already exists" not in log and "died" not in log, log[-4000:]
+    assert "Traceback" not in log, log[-4000:]
+    for db, table in (("jobs.db", "jobs"), ("mlflow.db", "experiments")):
+        with sqlite3.connect(home / db) as conn:
+            n = conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND "
+                             "name = ?", (table,)).fetchone()[0]
+        assert n == 1, (db, table)
