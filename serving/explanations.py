@@ -89,6 +89,19 @@ def check_explain_size(spec: ExplainSpec, n: int, limit: int, what: str) -> None
                                   f"or faithfulness=true (got {n}); split the request")
 
 
+def relevance_refused(name: str, reason: str) -> InvalidRequestError:
+    return InvalidRequestError(f"model {name!r} cannot give relevance: {reason}; ask "
+                               "attention=rollout (predictions and rollout maps still work)")
+
+
+def check_relevance(model: Any, spec: ExplainSpec) -> None:
+    """422 up front when relevance is asked of a version that cannot give it (its load-time
+    probe, or an earlier request, found its relevance pass failing)."""
+    reason = model.relevance_unavailable
+    if spec.relevance and reason is not None:
+        raise relevance_refused(model.name, reason)
+
+
 def faithfulness_dict(
     curves: dict[str, Curves], row: int, target: int, class_names: list[str], removal: str
 ) -> dict[str, Any]:

@@ -27,7 +27,12 @@ from PIL import Image
 from serving.batching import MicroBatcher
 from serving.compiled import eager_forwards
 from serving.errors import InvalidRequestError, ModelNotLoadedError
-from serving.explanations import ExplainSpec, faithfulness_dict, scored_maps
+from serving.explanations import (
+    ExplainSpec,
+    faithfulness_dict,
+    relevance_refused,
+    scored_maps,
+)
 from serving.metrics import ServingMetrics
 from serving.model_store import LoadedModel, ModelStore
 from vit_service.attention_maps import AttentionMaps, compute_attention_maps, overlay_heatmap
@@ -187,6 +192,17 @@ def _forward(model: LoadedModel, jobs: Sequence[Job], idxs: list[int], path: int
     return Forward(probs, maps, rel, target)
 
 
+def _failure(model: LoadedModel, path: int, e: Exception) -> Exception:
+    """What a failed group answers. A failing relevance pass is the model's limit, not the
+    request's fault nor a crash: the version is marked unable to give relevance (later
+    requests get the 422 up front, the card says so) and this one gets that 422 too."""
+    if path == 2 and not isinstance(e, InvalidRequestError):
+        reason = f"its relevance pass failed in {model.precision} ({type(e).__name__})"
+        model.mark_relevance_unavailable(reason)
+        return relevance_refused(model.name, reason)
+    return e
+
+
 def _explained(fwd: Forward, jobs: Sequence[Job], idxs: list[int]) -> torch.Tensor:
     """Per input row, the class faithfulness follows: relevance's target, else the requested
     one, else the predicted one."""
@@ -282,7 +298,7 @@ def run_image_jobs(model: LoadedModel, jobs: list[ImageJob],
         except Exception as e:
             log.exception("image batch failed for %s", model.name)
             for i in idxs:
-                outputs[i] = e
+                outputs[i] = _failure(model, path, e)
     return outputs
 
 
@@ -343,7 +359,7 @@ def run_text_jobs(model: LoadedModel, jobs: list[TextJob],
         except Exception as e:
             log.exception("text batch failed for %s", model.name)
             for i in idxs:
-                outputs[i] = e
+                outputs[i] = _failure(model, path, e)
     return outputs
 
 

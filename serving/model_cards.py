@@ -62,6 +62,8 @@ class ModelCards:
             "parameters": count_parameters(m.bundle.model, trainable_only=False),
             "val_acc": extra.get("val_acc"), "val_loss": extra.get("val_loss"),
             "precision": m.precision, "served_val_acc": m.served_val_acc,
+            "relevance": m.relevance_unavailable is None,
+            "relevance_unavailable": m.relevance_unavailable,
             "step": extra.get("step"), "ema": extra.get("ema"),
             "classes": m.class_names, "per_class": None, "confusion": None,
             "training_s": None, "budget_minutes": recipe.get("budget_minutes"),

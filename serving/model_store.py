@@ -28,6 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
 from mlflow import MlflowClient
 
 from serving.compiled import Forwards, eager_forwards, trace_forwards
@@ -72,6 +73,17 @@ class LoadedModel:
     loaded_at: datetime
     load_seconds: float
     forwards: Forwards | None = None  # traced serving forwards (None: the eager model's)
+    # why this version cannot give relevance (None: it can): found by a probe at load time, or
+    # by a request whose relevance pass failed (then later requests are refused up front)
+    relevance_error: dict[str, str | None] = field(
+        default_factory=lambda: {"reason": None})
+
+    @property
+    def relevance_unavailable(self) -> str | None:
+        return self.relevance_error["reason"]
+
+    def mark_relevance_unavailable(self, reason: str) -> None:
+        self.relevance_error["reason"] = reason
 
     @property
     def version(self) -> str | None:
@@ -296,12 +308,18 @@ class ModelStore:
         forwards = (trace_forwards(bundle.model, bundle.meta.task, bundle.meta.preprocess, name,
                                    precision)
                     if self.settings.trace_forwards else eager_forwards(bundle.model, precision))
-        return LoadedModel(
+        loaded = LoadedModel(
             name=name, source=source, bundle=bundle, resolved=resolved,
             run_url=self._run_url(resolved.run_id),
             loaded_at=datetime.now(timezone.utc), load_seconds=time.perf_counter() - start,
             forwards=forwards,
         )
+        reason = probe_relevance(bundle, loaded.precision)
+        if reason is not None:
+            log.warning("model %s cannot give relevance in %s: %s", name, loaded.precision,
+                        reason)
+            loaded.mark_relevance_unavailable(reason)
+        return loaded
 
     def _run_url(self, run_id: str | None) -> str | None:
         base = self.settings.mlflow_ui_url
@@ -315,3 +333,34 @@ class ModelStore:
             log.debug("no experiment for run %s: %s", run_id, e)
             return None
         return f"{base.rstrip('/')}/#/experiments/{exp}/runs/{run_id}"
+
+
+def probe_relevance(bundle: ModelBundle, precision: str) -> str | None:
+    """Run the relevance pass once on a blank input, as a request would (served precision,
+    inference mode): None if it works, else why not, in a sentence for the model card and
+    the 422 a request for relevance then gets."""
+    from vit_service.explain import explain
+    from vit_service.precision import inference_precision
+
+    net, meta = bundle.model, bundle.meta
+    if not hasattr(net, "attention_graph"):
+        return "the model has no attention graph to differentiate"
+    try:
+        if meta.task == "image":
+            size = int(meta.preprocess["image_size"])
+            inputs: tuple[torch.Tensor, ...] = (torch.zeros(1, 3, size, size),)
+            mask = None
+        else:
+            ids = torch.zeros(1, 4, dtype=torch.long)
+            mask = torch.ones(1, 4, dtype=torch.bool)
+            inputs = (ids, mask)
+        query = "mean" if getattr(net.config, "pool", "cls") == "mean" else "cls"
+        grid = getattr(net.config, "grid_size", None)
+        with torch.inference_mode(), inference_precision(net, precision):  # type: ignore[arg-type]
+            ex = explain(net, inputs, None, mask, tuple(grid) if grid else None, query)
+        if not bool(torch.isfinite(ex.relevance.float()).all()):
+            return "the relevance pass gives non-finite values"
+    except Exception as e:  # noqa: BLE001 (any failure means: no relevance for this model)
+        log.debug("relevance probe failed", exc_info=True)
+        return f"the relevance pass fails in {precision} ({type(e).__name__})"
+    return None

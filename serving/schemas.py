@@ -258,6 +258,11 @@ class ModelEntry(BaseModel):
     served_val_acc: float | None = Field(
         None, description="validation accuracy in that precision, as its training run measured "
         "it (null when not measured)")
+    relevance: bool | None = Field(
+        None, description="whether attention=relevance (and its faithfulness curves) can be "
+        "asked of this version; probed when it loads")
+    relevance_unavailable: str | None = Field(
+        None, description="why not, when relevance is false (such requests answer 422)")
     error: str | None = Field(None, description="last load error, if any")
 
 
@@ -292,6 +297,11 @@ class ModelCard(BaseModel):
     served_val_acc: float | None = Field(
         None, description="validation accuracy in the served precision (bf16: measured by the "
         "training run on a CPU with native bf16, else null)")
+    relevance: bool | None = Field(
+        None, description="whether attention=relevance (and its faithfulness curves) can be "
+        "asked of this version; probed when it loads")
+    relevance_unavailable: str | None = Field(
+        None, description="why not, when relevance is false (such requests answer 422)")
     step: int | None = Field(None, description="optimiser steps trained")
     ema: bool | None = None
     budget_minutes: float | None = None

@@ -6,9 +6,11 @@ Variables are prefixed ``VIT_SERVICE_`` (``VIT_SERVICE_HOME``, ``VIT_SERVICE_DAT
 
 from __future__ import annotations
 
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -117,8 +119,11 @@ class Settings(BaseSettings):
         None, description="MLflow tracking URI for jobs on the cluster (an MLflow server the "
         "nodes reach); default: the service's own tracking URI"
     )
-    ray_python: str = Field("python", description="the interpreter on the nodes that has "
-                            "vit-service installed (the trainer image's)")
+    ray_python: str = Field(
+        "auto", description="the interpreter on the nodes that has vit-service installed: a "
+        "path or a command on the nodes' PATH (the trainer image's `python`); auto: this "
+        "process's own interpreter for a head on this machine (a loopback address), else "
+        "`python`")
     ray_cpus_per_proc: float = Field(
         1.0, ge=0, description="CPUs Ray reserves per training process of a job"
     )
@@ -136,6 +141,16 @@ class Settings(BaseSettings):
         if self.jobs_db_url:
             return self.jobs_db_url
         return f"sqlite:///{(self.home / 'jobs.db').resolve()}"
+
+    @property
+    def resolved_ray_python(self) -> str:
+        """``ray_python`` with ``auto`` resolved: a head on loopback runs its jobs on this
+        machine, where this very environment has vit-service (a head started from the
+        project's venv without activating it would otherwise run the PATH's bare ``python``)."""
+        if self.ray_python != "auto":
+            return self.ray_python
+        host = urlsplit(self.ray_address).hostname or ""
+        return sys.executable if host in ("127.0.0.1", "localhost", "::1") else "python"
 
     @property
     def resolved_tracking_uri(self) -> str:

@@ -410,6 +410,26 @@ def train_command(job: JobRecord, python: str, resume: str | None) -> list[str]:
     return [python, *train]
 
 
+# Run by the job's interpreter before the trainer (standard library only: it must run where
+# nothing else imports): one JSON event and exit code 78 (EX_CONFIG) when the node's
+# interpreter lacks what a training job imports.
+PREFLIGHT = (
+    "import importlib.util as u, json, socket, sys\n"
+    "missing = [m for m in ('torch', 'vit_service', 'training') if u.find_spec(m) is None]\n"
+    "if missing:\n"
+    "    print(json.dumps({'event': 'preflight', 'status': 'failed', 'reason': "
+    "f'{sys.executable} on {socket.gethostname()} cannot import {\", \".join(missing)}: set "
+    "VIT_SERVICE_RAY_PYTHON to the interpreter of the nodes that has vit-service installed'}),"
+    " flush=True)\n"
+    "    sys.exit(78)\n"
+)
+
+
+def preflight_command(python: str) -> list[str]:
+    """The pre-flight check of a node's interpreter (:data:`PREFLIGHT`) as a command line."""
+    return [python, "-c", PREFLIGHT]
+
+
 def _parse_event(line: str) -> dict[str, Any] | None:
     line = line.strip()
     if not line.startswith("{"):
@@ -435,3 +455,5 @@ def _merge_progress(progress: dict[str, Any], event: dict[str, Any]) -> None:
             metrics[k] = v
     if kind == "end" and "status" in event:
         progress["status"] = event["status"]
+    if kind == "preflight" and event.get("reason"):
+        progress["preflight"] = str(event["reason"])

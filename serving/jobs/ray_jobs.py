@@ -41,7 +41,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from serving.jobs.manager import JobError, JobManager, _Tracked, train_command
+from serving.jobs.manager import (
+    JobError,
+    JobManager,
+    _Tracked,
+    preflight_command,
+    train_command,
+)
 from serving.jobs.store import JobRecord, JobState, utcnow
 from vit_service.config import Settings
 
@@ -167,7 +173,9 @@ class RayJobManager(JobManager):
         if claimed is None:
             return True  # cancelled meanwhile, or another API process took it
         cmd = self.command(claimed)
-        entrypoint = shlex.join(cmd)
+        # the pre-flight check first: a node whose interpreter cannot import the project fails
+        # the job with a reason that says so, not with a traceback from deep in an import
+        entrypoint = f"{shlex.join(preflight_command(cmd[0]))} && {shlex.join(cmd)}"
         sid = submission_id(claimed)
         try:
             self._call("submit_job", entrypoint=entrypoint, submission_id=sid,
@@ -198,7 +206,8 @@ class RayJobManager(JobManager):
 
     def command(self, job: JobRecord) -> list[str]:
         # the trainer checks the shared run folder itself: the API cannot see the nodes' disks
-        return train_command(job, self.settings.ray_python, "if-exists" if job.resume else None)
+        return train_command(job, self.settings.resolved_ray_python,
+                             "if-exists" if job.resume else None)
 
     def runtime_env(self) -> dict[str, Any]:
         s = self.settings
@@ -267,7 +276,10 @@ class RayJobManager(JobManager):
             state, reason = JobState.failed, "stopped on the Ray cluster, not through this " \
                                              "service; resume it with POST /v1/jobs/{id}/resume"
         else:
-            state, reason = JobState.failed, f"failed on Ray: {info.message}"
+            job = self._get(job.id)  # with the progress just read (a pre-flight failure's)
+            preflight = job.progress.get("preflight")
+            state, reason = JobState.failed, (f"pre-flight failed on the node: {preflight}"
+                                              if preflight else f"failed on Ray: {info.message}")
         self.store.update(job.id, state=state, finished_at=utcnow(), exit_code=code,
                           reason=reason.replace("{id}", job.id) if reason else None)
         self._offsets.pop(job.id, None)

@@ -25,7 +25,8 @@ def model_entry(store: ModelStore, name: str) -> ModelEntry:
         run_id=m.run_id, run_url=m.run_url, classes=m.class_names, input=m.input_spec(),
         architecture=m.bundle.meta.model_config, loaded_at=m.loaded_at,
         load_seconds=round(m.load_seconds, 4), precision=m.precision,
-        served_val_acc=m.served_val_acc, error=store.error(name),
+        served_val_acc=m.served_val_acc, relevance=m.relevance_unavailable is None,
+        relevance_unavailable=m.relevance_unavailable, error=store.error(name),
     )
 
 

@@ -21,7 +21,7 @@ from serving.errors import (
     UnsupportedMediaTypeError,
     error_responses,
 )
-from serving.explanations import build_spec, check_explain_size
+from serving.explanations import build_spec, check_explain_size, check_relevance
 from serving.inference import ImageInput, ImageJob, InferenceService, JobOutput, TextJob
 from serving.model_store import IMAGE_CONTENT_TYPES
 from serving.schemas import (
@@ -169,6 +169,7 @@ async def predict_image(
     name = model or settings.default_image_model
     served = loaded_model(store, name, "image")  # 404 / 503 / 422 before reading the body
     spec = build_spec(attention, faithfulness, target, served.class_names)
+    check_relevance(served, spec)
     if overlay and not spec.maps:
         raise InvalidRequestError("overlay=true needs attention maps (attention != none)")
     items = await _read_images(request, settings.max_items_per_request)
@@ -212,6 +213,7 @@ async def predict_text(
             )
     served = loaded_model(store, name, "text")
     spec = build_spec(body.attention, body.faithfulness, body.target, served.class_names)
+    check_relevance(served, spec)
     check_explain_size(spec, len(texts), settings.max_explain_items, "texts")
     out = await service.predict(name, TextJob(texts, body.top_k, spec,
                                               body.encoding is AttentionEncoding.f16_base64))

@@ -99,18 +99,25 @@ class Attention(nn.Module):
             bias, dead = _safe_bias(bias)
 
         weights: Tensor | None = None
+        r = weight_rows
         if self.fused_attn and not need_weights:
             out = self._fused(q, k, v, bias)  # (B, H, T, D)
-        elif weight_rows is not None and 0 <= weight_rows < B and self.fused_attn:
-            r = weight_rows
+        elif r is not None and 0 <= r < B:
+            # only the first r rows' weights are read (flip TTA: nobody reads the mirror
+            # views'): those rows take the explicit path, and the weights returned are the
+            # very tensor their output is computed from (relevance differentiates the
+            # logits with respect to it: a slice taken after the matmul would not be in the
+            # graph); the other rows take the module's own path
             head, weights = self._explicit(q[:r], k[:r], v[:r], _rows(bias, 0, r),
                                            _rows(dead, 0, r))
-            rest = self._fused(q[r:], k[r:], v[r:], _rows(bias, r, B))
+            if self.fused_attn:
+                rest = self._fused(q[r:], k[r:], v[r:], _rows(bias, r, B))
+            else:
+                rest = self._explicit(q[r:], k[r:], v[r:], _rows(bias, r, B),
+                                      _rows(dead, r, B))[0]
             out = torch.cat([head, rest])  # (B, H, T, D)
         else:
             out, weights = self._explicit(q, k, v, bias, dead)
-            if weight_rows is not None:
-                weights = weights[:weight_rows]  # (R, H, T, T)
         if dead is not None:
             out = out.masked_fill(dead, 0.0)  # fully-masked queries attend to nothing
         out = out.transpose(1, 2).reshape(B, T, C)  # (B, T, C)

@@ -50,7 +50,10 @@ def start_ray_head(num_cpus: int = 2) -> RayHead:
     temp_dir = Path(tempfile.mkdtemp(prefix="vsray-", dir="/tmp"))
     dash, gcs = _free_port(), _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VIT_SERVICE_"))}
-    env.update({"RAY_USAGE_STATS_ENABLED": "0", "PATH": f"{RAY.parent}:{env.get('PATH', '')}"})
+    # started as docs/jobs.md tells users: the venv's `ray start`, the venv not activated (its
+    # bin/ not on PATH), so a bare `python` in a job's entrypoint is not the project's
+    path = [p for p in env.get("PATH", "").split(":") if p and Path(p) != RAY.parent]
+    env.update({"RAY_USAGE_STATS_ENABLED": "0", "PATH": ":".join(path)})
     t0 = time.monotonic()
     cmd = [str(RAY), "start", "--head", f"--num-cpus={num_cpus}", "--num-gpus=0",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--port={gcs}",

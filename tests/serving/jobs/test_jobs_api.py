@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,8 +41,9 @@ def server(request: pytest.FixtureRequest,
     })
     if executor == "ray":
         head = request.getfixturevalue("ray_head")
-        env.update({"VIT_SERVICE_JOBS_EXECUTOR": "ray", "VIT_SERVICE_RAY_ADDRESS": head.address,
-                    "VIT_SERVICE_RAY_PYTHON": sys.executable})
+        # VIT_SERVICE_RAY_PYTHON unset: a head on this machine runs jobs with the API's own
+        # interpreter (the head itself was started without the venv on PATH)
+        env.update({"VIT_SERVICE_JOBS_EXECUTOR": "ray", "VIT_SERVICE_RAY_ADDRESS": head.address})
     s = Server(env, home)
     s.executor = executor  # type: ignore[attr-defined]
     s.start()

@@ -28,7 +28,7 @@ def _dead_address() -> str:
 
 def _settings(tmp_path: Path, address: str, **kw) -> Settings:
     return Settings(home=tmp_path / "home", data_dir=tmp_path / "data", jobs_executor="ray",
-                    ray_address=address, ray_python=sys.executable, ray_timeout_s=5, **kw)
+                    ray_address=address, ray_timeout_s=5, **kw)
 
 
 def test_the_executor_setting_picks_the_manager(tmp_path: Path) -> None:
@@ -122,7 +122,7 @@ def test_a_two_process_job_runs_ddp_under_torchrun_on_ray(tmp_path: Path,
     home = tmp_path / "home"
     uri = f"sqlite:///{home / 'mlflow.db'}"
     mgr = RayJobManager(Settings(home=home, data_dir=data, jobs_executor="ray",
-                                 ray_address=ray_head.address, ray_python=sys.executable,
+                                 ray_address=ray_head.address,
                                  cache_dir=tmp_path / "cache",
                                  **{"MLFLOW_TRACKING_URI": uri}))  # the field's alias
     assert mgr.settings.resolved_tracking_uri == uri
@@ -140,3 +140,39 @@ def test_a_two_process_job_runs_ddp_under_torchrun_on_ray(tmp_path: Path,
     assert "torch.distributed.run --standalone --nproc_per_node=2 -m vit_service.cli" in log
     run = mlflow_client(uri).get_run(job.mlflow_run_id)
     assert run.data.params["train.world_size"] == "2"
+
+
+def test_the_interpreter_defaults_to_this_environment_for_a_head_on_this_machine(
+        tmp_path: Path) -> None:
+    assert _settings(tmp_path, "http://127.0.0.1:8265").resolved_ray_python == sys.executable
+    assert _settings(tmp_path, "http://ray-head:8265").resolved_ray_python == "python"
+    venv_python = "/opt/venv/bin/python"
+    assert _settings(tmp_path, "http://ray-head:8265",
+                     ray_python=venv_python).resolved_ray_python == venv_python
+
+
+def test_a_node_that_cannot_import_the_project_fails_the_job_with_that_reason(
+        tmp_path: Path, ray_head: RayHead) -> None:
+    """The session's head runs as docs/jobs.md starts one (the venv's `ray start`, the venv
+    not on PATH). An interpreter without torch (a bare venv) fails the pre-flight check: the
+    job fails with a reason that names the interpreter and the setting, not a traceback."""
+    import subprocess
+    import venv
+
+    bare = tmp_path / "bare"
+    venv.EnvBuilder(with_pip=False).create(bare)
+    python = str(bare / "bin" / "python")
+    assert subprocess.run([python, "-c", "import torch"], capture_output=True).returncode != 0
+    mgr = RayJobManager(_settings(tmp_path, ray_head.address, ray_python=python))
+    job = mgr.submit("cifar10-smoke", {"epochs": 1})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        mgr.tick()
+        job = mgr.get(job.id)
+        if job.state.finished:
+            break
+        time.sleep(0.5)
+    assert job.state == JobState.failed, job
+    assert job.reason.startswith("pre-flight failed on the node: "), job.reason
+    assert f"{python} on " in job.reason and "cannot import torch" in job.reason
+    assert "VIT_SERVICE_RAY_PYTHON" in job.reason
