@@ -130,3 +130,46 @@ def test_text_relevance_and_faithfulness(client) -> None:
     many = client.post(TEXT, json={"text": ["good film"] * 17, "faithfulness": True})
     assert many.status_code == 422 and "at most 16 texts" in many.text
     assert client.post(TEXT, json={"text": ["good film"] * 17}).status_code == 200
+
+
+class _Broken(RuntimeError):
+    pass
+
+
+def _break_relevance(model) -> None:
+    def attention_graph(*args, **kwargs):
+        raise _Broken("no graph here")
+
+    model.attention_graph = attention_graph  # an instance attribute: this model only
+
+
+def test_a_model_that_cannot_give_relevance_is_probed_at_load(registry) -> None:
+    from serving.model_store import probe_relevance
+    from vit_service.bundle import load_bundle
+
+    bundle = load_bundle(registry.local_bundle)
+    assert probe_relevance(bundle, "fp32") is None and probe_relevance(bundle, "bf16") is None
+    _break_relevance(bundle.model)
+    reason = probe_relevance(bundle, "bf16")
+    assert reason is not None and "bf16" in reason and "_Broken" in reason
+
+
+def test_a_failing_relevance_pass_is_a_422_with_the_reason_never_a_500(
+        make_client, registry, image_bytes) -> None:
+    client = make_client({"local-vit": str(registry.local_bundle)})
+    served = client.app.state.store.get("local-vit")
+    card = client.get("/v1/models").json()["models"][0]
+    assert card["relevance"] is True and card["relevance_unavailable"] is None
+    _break_relevance(served.bundle.model)
+    data = image_bytes(seed=11)
+    params = {"model": "local-vit", "attention": "relevance", "faithfulness": "true"}
+    r = _post_png(client, data, **params)
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert "cannot give relevance" in detail and "_Broken" in detail and "no graph" not in detail
+    card = client.get("/v1/models").json()["models"][0]
+    assert card["relevance"] is False and "_Broken" in card["relevance_unavailable"]
+    assert _post_png(client, data, **params).status_code == 422  # refused up front now
+    ok = _post_png(client, data, model="local-vit", attention="rollout", faithfulness="true")
+    assert ok.status_code == 200, ok.text  # the prediction and rollout keep being served
+    assert set(ok.json()["results"][0]["faithfulness"]["maps"]) == {"rollout", "random"}

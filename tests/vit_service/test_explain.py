@@ -171,6 +171,34 @@ def test_flip_tta_relevance_explains_the_given_view() -> None:
     assert not torch.allclose(a.logits, b.logits)  # TTA's logits average the mirror too
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("pool", ["cls", "mean"])
+def test_flip_tta_relevance_on_every_served_path(precision: str, fused: bool, pool: str) -> None:
+    """The served paths: fused or explicit attention, fp32 or bf16 autocast (which serves on
+    the explicit path), CLS or mean pooling, flip TTA. Relevance of the TTA model is the plain
+    model's on the given view (bf16: to its precision), never an autograd error."""
+    from vit_service.precision import inference_precision
+
+    torch.manual_seed(1)
+    cfg = dict(img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2, pool=pool)
+    plain = ViT(ViTConfig(**cfg)).eval()
+    tta = ViT(ViTConfig(**cfg, tta_flip=True)).eval()
+    tta.load_state_dict(plain.state_dict())
+    x, target = torch.randn(2, 3, 16, 16), torch.tensor([3, 5])
+    query = "mean" if pool == "mean" else "cls"
+    out = []
+    for m in (plain, tta):
+        set_fused_attn(m, fused)
+        with torch.inference_mode(), inference_precision(m, precision):  # type: ignore[arg-type]
+            out.append(explain(m, (x,), target, grid=(4, 4), query=query))
+    a, b = out
+    assert torch.isfinite(b.relevance).all()
+    assert b.relevance.sum((1, 2)) == pytest.approx(torch.ones(2), abs=1e-5)
+    tol = 1e-5 if precision == "fp32" else 0.02
+    assert torch.allclose(a.relevance.float(), b.relevance.float(), atol=tol)
+
+
 class AdditivePatches(nn.Module):
     """logit_1 = 3 * sum over patches of relu(mean of the patch's channel 0); logit_0 = 0."""
 
