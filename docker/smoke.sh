@@ -25,7 +25,7 @@ export COMPOSE_PROJECT_NAME=vit-smoke
 export VIT_SERVICE_IMAGE=${VIT_SERVICE_IMAGE:-vit-service:smoke}
 export VIT_SERVICE_CUDA_IMAGE=${VIT_SERVICE_CUDA_IMAGE:-vit-service:cuda-smoke}
 export API_PORT=${API_PORT:-18000} MLFLOW_PORT=${MLFLOW_PORT:-15000}
-export VIT_SERVICE_API_KEY=smoke-key
+export VIT_SERVICE_API_KEY=smoke-key-0123456789
 export MLFLOW_UI_URL=http://localhost:${MLFLOW_PORT}
 API=http://127.0.0.1:${API_PORT}
 MLFLOW=http://127.0.0.1:${MLFLOW_PORT}

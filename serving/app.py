@@ -26,7 +26,7 @@ from serving.middleware import BodySizeLimitMiddleware
 from serving.model_cards import ModelCards
 from serving.model_store import ModelStore
 from serving.routers import health, jobs, models, predict
-from serving.routers.ui import mount_ui
+from serving.routers.ui import SecurityHeadersMiddleware, mount_ui
 from serving.workers import Leadership, ModelSync, exit_with_parent
 from vit_service import __version__, tracking
 from vit_service.config import Settings, get_settings
@@ -108,6 +108,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=__version__,
         description=DESCRIPTION,
         lifespan=lifespan,
+        docs_url=None,  # served by serving/routers/ui.py from local assets
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.metrics = metrics
@@ -127,4 +129,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Middleware: the last added is the outermost, so metrics also see 413s from the limiter.
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(SecurityHeadersMiddleware)
     return app

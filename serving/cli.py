@@ -162,6 +162,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "both.")
     add_server_arguments(up)
     up.add_argument("--mlflow-port", type=int, default=5000, help="MLflow server and UI port")
+    up.add_argument("--mlflow-host", default="127.0.0.1",
+                    help="MLflow's bind address (default: loopback whatever --host is: MLflow "
+                    "has no authentication here, and what it registers gets served)")
     up.add_argument("--backend-store-uri", default=None,
                     help="MLflow backend (default: SQLite under VIT_SERVICE_HOME)")
     up.set_defaults(func=_up)

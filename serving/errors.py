@@ -7,6 +7,7 @@ Core exceptions that reach a route are mapped too (undecodable image -> 400, too
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 
 from fastapi import FastAPI, HTTPException, Request
@@ -16,6 +17,22 @@ from serving.schemas import ErrorResponse
 from vit_service.preprocess import ImageDecodeError, ImageTooLargeError
 
 log = logging.getLogger(__name__)
+
+
+_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+_ABS_PATH = re.compile(r"(?<![\w:/.])/(?:[\w.@+-]+/)+[\w.@+-]*")
+
+
+def strip_credentials(url: str) -> str:
+    """``scheme://user:pass@host/...`` -> ``scheme://host/...``."""
+    return _CREDENTIALS.sub(r"\g<scheme>", url)
+
+
+def public_message(text: str, limit: int = 300) -> str:
+    """An error message fit for an anonymous caller: no credentials in URLs, no file-system
+    paths of the server, bounded length (the full text goes to the log)."""
+    text = _ABS_PATH.sub("<path>", strip_credentials(text))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class BadInputError(HTTPException):

@@ -46,8 +46,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ImageInput:
-    image: Image.Image  # decoded RGB, original size
+    image: Image.Image  # decoded RGB, reduced as far as the model's size allows
     filename: str | None = None
+    width: int | None = None  # the upload's own size (None: the decoded image's)
+    height: int | None = None
 
 
 @dataclass
@@ -269,8 +271,8 @@ def run_image_jobs(model: LoadedModel, jobs: list[ImageJob],
                 for inp in job.inputs:
                     res: dict[str, Any] = {
                         "filename": inp.filename,
-                        "width": inp.image.width,
-                        "height": inp.image.height,
+                        "width": inp.width or inp.image.width,
+                        "height": inp.height or inp.image.height,
                         "predictions": _predictions(fwd.probs[row], job.top_k, names),
                         "attention": None,
                         "overlay_png": None,

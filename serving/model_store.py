@@ -32,6 +32,7 @@ import torch
 from mlflow import MlflowClient
 
 from serving.compiled import Forwards, eager_forwards, trace_forwards
+from serving.errors import public_message, strip_credentials
 from serving.metrics import ServingMetrics
 from vit_service import tracking
 from vit_service.bundle import META, WEIGHTS, ModelBundle, load_bundle
@@ -229,7 +230,9 @@ class ModelStore:
                     return RefreshResult(name, False, previous, current)
                 new = await asyncio.to_thread(self._load, name, slot.source, resolved)
             except Exception as e:  # registry down, alias missing, corrupt bundle...
-                slot.error = f"{type(e).__name__}: {e}"
+                log.warning("loading %s from %s failed: %s: %s", name, slot.source,
+                            type(e).__name__, e)
+                slot.error = public_message(f"{type(e).__name__}: {e}")
                 if self.metrics:
                     self.metrics.model_loads.labels(name, "error").inc()
                 level = logging.WARNING if current is None else logging.ERROR
@@ -324,7 +327,7 @@ class ModelStore:
     def _run_url(self, run_id: str | None) -> str | None:
         base = self.settings.mlflow_ui_url
         if base is None and self.tracking_uri.startswith(("http://", "https://")):
-            base = self.tracking_uri
+            base = strip_credentials(self.tracking_uri)  # a link for anyone: no user:pass@
         if base is None or run_id is None:
             return None
         try:

@@ -77,8 +77,14 @@ def run_up(args: argparse.Namespace, base: Settings) -> int:
     from serving.cli import run_api
 
     host = _client_host(base.host)
-    mlflow_url = f"http://{host}:{args.mlflow_port}"
-    proc = start_mlflow_server(base, base.host, args.mlflow_port, args.backend_store_uri)
+    # MLflow has no authentication of its own here and the API serves whatever @champion
+    # points to: it listens on loopback whatever host the API takes, unless told otherwise
+    mlflow_host = args.mlflow_host
+    mlflow_url = f"http://{_client_host(mlflow_host)}:{args.mlflow_port}"
+    if mlflow_host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("MLflow listens on %s: anyone who reaches it can register a model that "
+                    "this API then serves", mlflow_host)
+    proc = start_mlflow_server(base, mlflow_host, args.mlflow_port, args.backend_store_uri)
     os.environ["MLFLOW_TRACKING_URI"] = mlflow_url  # for anything that reads the environment
     settings = base.model_copy(update={
         "tracking_uri": mlflow_url,

@@ -6,14 +6,17 @@ Variables are prefixed ``VIT_SERVICE_`` (``VIT_SERVICE_HOME``, ``VIT_SERVICE_DAT
 
 from __future__ import annotations
 
+import logging
 import sys
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIN_API_KEY_LENGTH = 16  # a key short enough to guess is no key
 
 
 class Settings(BaseSettings):
@@ -33,7 +36,9 @@ class Settings(BaseSettings):
     mlflow_ui_url: str | None = Field(None, description="public URL of the MLflow UI, for links")
 
     # --- API -------------------------------------------------------------------------------------
-    api_key: SecretStr | None = Field(None, description="Bearer key for mutating routes")
+    api_key: SecretStr | None = Field(
+        None, description=f"Bearer key for mutating routes (at least {MIN_API_KEY_LENGTH} "
+        "characters; empty counts as unset)")
 
     # --- serving (REST API; owned by serving/) ----------------------------------------------------
     # VIT_SERVICE_MODELS='{"cifar10-vit": "models:/cifar10-vit@champion", "x": "/path/to/bundle"}'
@@ -61,8 +66,12 @@ class Settings(BaseSettings):
         "(serving/batching.py); false: every batch waits the whole window")
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1, description="request body limit")
     max_image_pixels: int = Field(
-        4096 * 4096, ge=1, description="width*height limit per image (decompression bombs)"
-    )
+        12_000_000, ge=1, description="width*height limit per image (decompression bombs; a "
+        "4000x3000 photo passes): an image is decoded in its own mode, at most 4 bytes a pixel, "
+        "then reduced towards the model's size before it becomes RGB")
+    max_request_pixels: int = Field(
+        48_000_000, ge=1, description="width*height summed over the images of one request, "
+        "checked from their headers before anything is decoded")
     max_items_per_request: int = Field(64, ge=1, description="images or texts per request")
     max_explain_items: int = Field(
         16, ge=1, description="images or texts per request with attention=relevance or "
@@ -135,6 +144,23 @@ class Settings(BaseSettings):
         30.0, gt=0, description="a job claimed this long ago that Ray does not know yet was "
         "never submitted (its API process died in between): it is queued again"
     )
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _api_key(cls, v: Any) -> Any:
+        """An empty key (compose's ``${VIT_SERVICE_API_KEY:-}``) is no key, with a warning; a
+        short one is refused at start-up rather than guarded by."""
+        raw = v.get_secret_value() if isinstance(v, SecretStr) else v
+        if raw is None:
+            return None
+        if not str(raw).strip():
+            logging.getLogger(__name__).warning(
+                "VIT_SERVICE_API_KEY is empty: treated as unset (mutating routes are refused)")
+            return None
+        if len(str(raw).strip()) < MIN_API_KEY_LENGTH:
+            raise ValueError(f"the API key must be at least {MIN_API_KEY_LENGTH} characters "
+                             "(e.g. python -c 'import secrets; print(secrets.token_urlsafe())')")
+        return str(raw).strip()
 
     @property
     def resolved_jobs_db_url(self) -> str:

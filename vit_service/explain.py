@@ -65,12 +65,16 @@ def relevance_from_gradients(
     if len(attns) != len(grads) or not attns:
         raise ValueError("need one gradient per attention layer")
     B, _, T, _ = attns[0].shape
-    rel = torch.eye(T, dtype=torch.float32, device=attns[0].device).expand(B, T, T)
-    for a, g in zip(attns, grads, strict=True):
-        cam = (g.float() * a.float()).clamp_min(0).mean(dim=1)  # (B, T, T)
-        rel = rel + cam @ rel  # (B, T, T)
-    row = query_row(rel, query, attention_mask, num_prefix_tokens)[:, num_prefix_tokens:]
-    return to_grid(normalise_rows(row, attention_mask, num_prefix_tokens, 0), grid)
+    device = attns[0].device
+    # in fp32 whatever the forward ran in: under a bf16 autocast the products would round to
+    # bf16 and the map would no longer sum to 1
+    with torch.autocast(device.type, enabled=False):
+        rel = torch.eye(T, dtype=torch.float32, device=device).expand(B, T, T)
+        for a, g in zip(attns, grads, strict=True):
+            cam = (g.float() * a.float()).clamp_min(0).mean(dim=1)  # (B, T, T)
+            rel = rel + cam @ rel  # (B, T, T)
+        row = query_row(rel, query, attention_mask, num_prefix_tokens)[:, num_prefix_tokens:]
+        return to_grid(normalise_rows(row, attention_mask, num_prefix_tokens, 0), grid)
 
 
 @dataclass

@@ -21,23 +21,60 @@ class ImageTooLargeError(ValueError):
     """The image has more pixels than allowed (decompression-bomb guard)."""
 
 
-def decode_image(data: bytes, max_pixels: int = 4096 * 4096) -> Image.Image:
-    """Decode bytes to an RGB PIL image, fully (so truncation is detected here, not later)."""
+# The formats a served image may be in. Pillow opens many more (EPS runs Ghostscript where it
+# is installed, and rarer plug-ins are rarer-tested parsers): anything else is a 415-like 400.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
+
+
+def image_header(data: bytes) -> tuple[str, int, int]:
+    """``(format, width, height)`` from the header alone (nothing decoded); an unknown or
+    disallowed format raises :class:`ImageDecodeError`."""
     try:
-        img = Image.open(io.BytesIO(data))
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
+            return str(img.format), int(img.width), int(img.height)
+    except Exception as e:  # PIL raises many types for bad data
+        raise ImageDecodeError(f"not a {'/'.join(IMAGE_FORMATS)} image") from e
+
+
+def decode_image(data: bytes, max_pixels: int = 4096 * 4096,
+                 min_side: int | None = None) -> Image.Image:
+    """Decode bytes to an RGB PIL image, fully (so truncation is detected here, not later).
+
+    ``min_side``: the decoded image may be smaller than the original, as long as both sides
+    stay at least ``min_side`` (the model's input size, or what an overlay needs): JPEGs are
+    decoded at a reduced DCT scale (``draft``) and other formats reduced in their own mode
+    (a 1-bit or palette image, before it grows 24-fold into RGB), so memory follows the
+    model's size rather than the upload's."""
+    try:
+        img = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
         w, h = img.size
         if w * h > max_pixels:
             raise ImageTooLargeError(
                 f"image is {w}x{h} = {w * h} pixels; the limit is {max_pixels}"
             )
+        if min_side is not None and img.format == "JPEG":
+            img.draft("RGB", (min_side, min_side))  # keeps both sides >= min_side
         img.load()
+        if min_side is not None:
+            img = _reduce(img, min_side)
         return img.convert("RGB")
     except ImageTooLargeError:
         raise
     except Image.DecompressionBombError as e:
         raise ImageTooLargeError(str(e)) from e
     except Exception as e:  # PIL raises many types for bad data
-        raise ImageDecodeError(f"cannot decode image: {e}") from e
+        raise ImageDecodeError(f"cannot decode image ({type(e).__name__})") from e
+
+
+def _reduce(img: Image.Image, min_side: int) -> Image.Image:
+    """An integer downscale keeping both sides >= ``min_side`` (box filter where the mode has
+    one, nearest for 1-bit and palette images)."""
+    factor = min(img.width, img.height) // max(1, min_side)
+    if factor < 2:
+        return img
+    if img.mode in ("1", "P"):
+        return img.resize((img.width // factor, img.height // factor), Image.NEAREST)
+    return img.reduce(factor)
 
 
 def images_to_tensor(images: Sequence[Image.Image], meta: BundleMeta) -> torch.Tensor:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 from typing import Annotated
@@ -10,7 +9,6 @@ from typing import Annotated
 import orjson
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
-from PIL import Image
 from starlette.datastructures import UploadFile
 
 from serving.deps import JsonBodyDep, ServiceDep, SettingsDep, StoreDep, loaded_model
@@ -31,7 +29,12 @@ from serving.schemas import (
     TextPredictRequest,
     TextPredictResponse,
 )
-from vit_service.preprocess import ImageDecodeError, ImageTooLargeError, decode_image
+from vit_service.preprocess import (
+    ImageDecodeError,
+    ImageTooLargeError,
+    decode_image,
+    image_header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -105,28 +108,42 @@ def _respond(service: InferenceService, name: str, out: JobOutput) -> Response:
 
 
 INLINE_DECODE_PIXELS = 256 * 256  # smaller images are decoded on the event loop (< ~1 ms)
+OVERLAY_MIN_SIDE = 256  # an overlay is drawn on the image decoded at least this large
 
 
-def _small(items: list[tuple[bytes, str | None]]) -> bool:
-    """Whether every image's header says it is small enough to decode without a thread hop."""
-    for data, _ in items:
-        try:
-            with Image.open(io.BytesIO(data)) as img:  # reads the header only
-                if img.width * img.height > INLINE_DECODE_PIXELS:
-                    return False
-        except Exception:  # undecodable: let _decode_all report it (cheaply)
-            continue
-    return True
-
-
-def _decode_all(items: list[tuple[bytes, str | None]], max_pixels: int) -> list[ImageInput]:
-    out = []
+def _headers(items: list[tuple[bytes, str | None]], max_pixels: int,
+             max_request_pixels: int) -> list[tuple[int, int]]:
+    """Every image's size from its header alone: the format allow-list, the per-image and
+    the per-request pixel budgets are checked before anything is decoded."""
+    sizes, total = [], 0
     for i, (data, filename) in enumerate(items):
         what = f"image {i}" + (f" ({filename})" if filename else "")
         if not data:
             raise BadInputError(f"{what} is empty")
         try:
-            out.append(ImageInput(decode_image(data, max_pixels=max_pixels), filename))
+            _, w, h = image_header(data)
+        except ImageDecodeError as e:
+            raise BadInputError(f"{what}: {e}") from e
+        if w * h > max_pixels:
+            raise PayloadTooLargeError(
+                f"{what} is {w}x{h} = {w * h} pixels; the limit is {max_pixels}")
+        total += w * h
+        if total > max_request_pixels:
+            raise PayloadTooLargeError(
+                f"the images add up to more than {max_request_pixels} pixels per request; "
+                "split the request")
+        sizes.append((w, h))
+    return sizes
+
+
+def _decode_all(items: list[tuple[bytes, str | None]], sizes: list[tuple[int, int]],
+                max_pixels: int, min_side: int) -> list[ImageInput]:
+    out = []
+    for i, ((data, filename), (w, h)) in enumerate(zip(items, sizes, strict=True)):
+        what = f"image {i}" + (f" ({filename})" if filename else "")
+        try:
+            img = decode_image(data, max_pixels=max_pixels, min_side=min_side)
+            out.append(ImageInput(img, filename, width=w, height=h))
         except ImageTooLargeError as e:
             raise PayloadTooLargeError(f"{what}: {e}") from e
         except ImageDecodeError as e:
@@ -177,10 +194,14 @@ async def predict_image(
         raise InvalidRequestError(f"at most {settings.max_items_per_request} images per request")
     check_explain_size(spec, len(items), settings.max_explain_items, "images")
     t0 = time.perf_counter()
-    if _small(items):
-        inputs = _decode_all(items, settings.max_image_pixels)
+    sizes = _headers(items, settings.max_image_pixels, settings.max_request_pixels)
+    side = int(served.bundle.meta.preprocess["image_size"])
+    min_side = max(side, OVERLAY_MIN_SIDE) if overlay else side
+    if all(w * h <= INLINE_DECODE_PIXELS for w, h in sizes):
+        inputs = _decode_all(items, sizes, settings.max_image_pixels, min_side)
     else:  # large images: decode in the thread pool (PIL releases the GIL)
-        inputs = await run_in_threadpool(_decode_all, items, settings.max_image_pixels)
+        inputs = await run_in_threadpool(_decode_all, items, sizes, settings.max_image_pixels,
+                                         min_side)
     service.observe(name, "decode", time.perf_counter() - t0)
     out = await service.predict(name, ImageJob(inputs, top_k, spec, overlay,
                                                encoding is AttentionEncoding.f16_base64))

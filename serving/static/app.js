@@ -3,7 +3,7 @@
 "use strict";
 
 const $ = (sel) => document.querySelector(sel);
-const state = { image: null, imageResult: null, textResult: null, key: localStorage.getItem("vitKey") || "",
+const state = { image: null, imageResult: null, textResult: null, key: sessionStorage.getItem("vitKey") || "",
   picked: new Set(JSON.parse(localStorage.getItem("vitPicked") || "[]")), series: {}, jobs: [] };
 const COLORS = ["#2f6fed", "#e4572e", "#17a589", "#9b59b6", "#f39c12", "#34495e", "#c0392b", "#16a085"];
 const esc = (t) => String(t).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
@@ -282,7 +282,7 @@ $("#text-attn-view").addEventListener("change", renderTokens);
 $("#api-key").value = state.key;
 $("#save-key").addEventListener("click", () => {
   state.key = $("#api-key").value.trim();
-  localStorage.setItem("vitKey", state.key);
+  sessionStorage.setItem("vitKey", state.key);
   loadRecipes();
   refreshJobs();
 });

@@ -159,11 +159,12 @@ def make_client(registry: Registry) -> Iterator[Callable[..., TestClient]]:
 
 @pytest.fixture(scope="module")
 def client(registry: Registry) -> Iterator[TestClient]:
-    """The default app: cifar10-vit + imdb-sentiment + a local bundle, API key ``secret``."""
+    """The default app: cifar10-vit + imdb-sentiment + a local bundle, API key
+    ``secret-key-for-tests``."""
     models = {"cifar10-vit": "models:/cifar10-vit@champion",
               "imdb-sentiment": "models:/imdb-sentiment@champion",
               "local-vit": str(registry.local_bundle)}
-    settings = registry.settings(models, api_key="secret",
+    settings = registry.settings(models, api_key="secret-key-for-tests",
                                  mlflow_ui_url="http://mlflow.example:5000")
     with TestClient(create_app(settings)) as c:
         yield c

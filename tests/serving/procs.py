@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
-KEY = "test-key-123"
+KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from vit_service import tracking
 
-AUTH = {"Authorization": "Bearer secret"}
+AUTH = {"Authorization": "Bearer secret-key-for-tests"}
 
 
 def test_healthz_readyz(client) -> None:
@@ -91,7 +91,7 @@ def _top(c, image: bytes) -> tuple[str, list[float]]:
 
 def test_alias_move_then_reload_endpoint_swaps_version(make_client, reload_alias,
                                                        image_bytes) -> None:
-    c = make_client({"reload-vit": "models:/reload-vit@champion"}, api_key="secret")
+    c = make_client({"reload-vit": "models:/reload-vit@champion"}, api_key="secret-key-for-tests")
     img = image_bytes(seed=7)
     v, before = _top(c, img)
     assert v == "1"
@@ -108,7 +108,7 @@ def test_alias_move_then_reload_endpoint_swaps_version(make_client, reload_alias
 
 def test_old_version_keeps_serving_while_the_new_one_loads(make_client, reload_alias,
                                                           image_bytes, monkeypatch) -> None:
-    c = make_client({"reload-vit": "models:/reload-vit@champion"}, api_key="secret")
+    c = make_client({"reload-vit": "models:/reload-vit@champion"}, api_key="secret-key-for-tests")
     store = c.app.state.store
     started, release = threading.Event(), threading.Event()
     real_load = store._load
@@ -149,7 +149,7 @@ def test_missing_model_is_503_until_it_appears(make_client, registry, tmp_path,
                                                image_bytes) -> None:
     target = tmp_path / "later"
     c = make_client({"cifar10-vit": "models:/no-such-model@champion", "later": str(target)},
-                    api_key="secret")
+                    api_key="secret-key-for-tests")
     r = c.get("/readyz")
     assert r.status_code == 503
     assert r.json() == {"status": "not ready", "loaded": {}, "missing": ["cifar10-vit", "later"],

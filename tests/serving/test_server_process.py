@@ -36,7 +36,7 @@ def server(registry, tmp_path):
         "VIT_SERVICE_HOME": str(registry.home),
         "VIT_SERVICE_MODELS": json.dumps({"cifar10-vit": "models:/cifar10-vit@champion",
                                           "imdb-sentiment": "models:/imdb-sentiment@champion"}),
-        "VIT_SERVICE_API_KEY": "k3y",
+        "VIT_SERVICE_API_KEY": "k3y-for-the-process-test",
     })
     log = tmp_path / "server.log"
     with log.open("wb") as out:
@@ -88,7 +88,8 @@ def test_real_uvicorn_server(server, image_bytes) -> None:
         r = http.post("/v1/predict/image", content=b"\0" * (11 * 1024 * 1024),
                       headers={"content-type": "image/png"})
         assert r.status_code == 413
-        r = http.post("/v1/models/cifar10-vit/reload", headers={"Authorization": "Bearer k3y"})
+        r = http.post("/v1/models/cifar10-vit/reload",
+                      headers={"Authorization": "Bearer k3y-for-the-process-test"})
         assert r.status_code == 200 and r.json()["reloaded"] is False
         assert "vit_service_http_requests_total" in http.get("/metrics").text
     proc.terminate()
