@@ -161,10 +161,15 @@ class MicroBatcher(Generic[J, R]):
                 for p in batch:
                     self.on_wait(now - p.enqueued)
             start = time.perf_counter()
+
+            def run(batch: list[_Pending[J, R]] = batch) -> tuple[list[_Pending[J, R]], Sequence]:
+                # the executor may start this late (another batch held the thread): jobs
+                # whose caller gave up meanwhile (a deadline) are dropped, not computed
+                live = [p for p in batch if not p.future.done()]
+                return live, (self.process([p.job for p in live]) if live else [])
+
             try:
-                results = await loop.run_in_executor(
-                    self.executor, self.process, [p.job for p in batch]
-                )
+                batch, results = await loop.run_in_executor(self.executor, run)
             except asyncio.CancelledError:
                 for p in batch:
                     if not p.future.done():
@@ -173,9 +178,11 @@ class MicroBatcher(Generic[J, R]):
             except Exception as e:  # the whole batch failed
                 log.exception("batch of %d for %s failed", n, self.name)
                 results = [e] * len(batch)
+            if not batch:
+                continue
             self.batches += 1
             if self.on_batch is not None:
-                self.on_batch(n, time.perf_counter() - start)
+                self.on_batch(sum(p.size for p in batch), time.perf_counter() - start)
             for p, r in zip(batch, results, strict=True):
                 if p.future.done():
                     continue

@@ -82,6 +82,14 @@ class ModelNotLoadedError(HTTPException):
         super().__init__(status_code=503, detail=detail, headers={"Retry-After": "10"})
 
 
+class OverloadedError(HTTPException):
+    """The server sheds load rather than queueing without bound: try again shortly."""
+
+    def __init__(self, detail: str, retry_after_s: int = 1) -> None:
+        super().__init__(status_code=503, detail=detail,
+                         headers={"Retry-After": str(max(1, retry_after_s))})
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map core exceptions to JSON errors; never leak a traceback."""
 

@@ -12,6 +12,7 @@ perturbed inputs in batched forwards right after their group.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import time
@@ -26,7 +27,7 @@ from PIL import Image
 
 from serving.batching import MicroBatcher
 from serving.compiled import eager_forwards
-from serving.errors import InvalidRequestError, ModelNotLoadedError
+from serving.errors import InvalidRequestError, ModelNotLoadedError, OverloadedError
 from serving.explanations import (
     ExplainSpec,
     faithfulness_dict,
@@ -365,8 +366,24 @@ def run_text_jobs(model: LoadedModel, jobs: list[TextJob],
     return outputs
 
 
+PLAIN, EXPLAIN = "plain", "explain"
+
+
+def lane(job: Job) -> str:
+    """Relevance and faithfulness cost a backward pass or ~55 forwards per input: a lane of
+    their own, with its own admission cap and small batches."""
+    return EXPLAIN if job.spec.relevance or job.spec.faithfulness else PLAIN
+
+
 class InferenceService:
-    """One micro-batcher per served model, all feeding one inference thread."""
+    """One micro-batcher per served model and lane, all feeding one inference thread.
+
+    Admission: the inputs admitted and not yet answered are counted per lane; a request that
+    would take its lane past ``max_queued_items`` / ``max_queued_explain_items`` gets 503 with
+    ``Retry-After`` at once, and one not answered within ``request_timeout_s`` gets 503 too
+    (its job is skipped if its batch has not started). The one inference thread takes batches
+    from the lanes' batchers in turn, and an explain batch holds at most ``explain_batch_size``
+    inputs, so plain predictions stay responsive while explanations are queued."""
 
     def __init__(
         self, store: ModelStore, settings: Settings, metrics: ServingMetrics | None = None
@@ -375,10 +392,15 @@ class InferenceService:
         self.settings = settings
         self.metrics = metrics
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
-        self._batchers: dict[str, MicroBatcher[Job, JobOutput]] = {}
+        self._batchers: dict[tuple[str, str], MicroBatcher[Job, JobOutput]] = {}
+        self.queued = {PLAIN: 0, EXPLAIN: 0}  # inputs admitted and not yet answered
 
-    def batcher(self, name: str) -> MicroBatcher[Job, JobOutput]:
-        b = self._batchers.get(name)
+    def _cap(self, lane_: str) -> int:
+        s = self.settings
+        return s.max_queued_explain_items if lane_ == EXPLAIN else s.max_queued_items
+
+    def batcher(self, name: str, lane_: str = PLAIN) -> MicroBatcher[Job, JobOutput]:
+        b = self._batchers.get((name, lane_))
         if b is None:
             def on_batch(n: int, seconds: float, name: str = name) -> None:
                 if self.metrics is not None:
@@ -388,12 +410,15 @@ class InferenceService:
             def on_wait(seconds: float, name: str = name) -> None:
                 self.observe(name, "queue", seconds)
 
+            size = self.settings.max_batch_size
+            if lane_ == EXPLAIN:
+                size = min(size, self.settings.explain_batch_size)
             b = MicroBatcher(
-                name, lambda jobs, name=name: self._process(name, jobs), self.executor,
-                self.settings.max_batch_size, self.settings.max_wait_ms, on_batch, on_wait,
+                f"{name}/{lane_}", lambda jobs, name=name: self._process(name, jobs),
+                self.executor, size, self.settings.max_wait_ms, on_batch, on_wait,
                 adaptive=self.settings.adaptive_wait,
             )
-            self._batchers[name] = b
+            self._batchers[(name, lane_)] = b
         return b
 
     def observe(self, name: str, stage: str, seconds: float) -> None:
@@ -430,7 +455,32 @@ class InferenceService:
         return run_text_jobs(model, jobs, observe)  # type: ignore[arg-type]
 
     async def predict(self, name: str, job: Job) -> JobOutput:
-        return await self.batcher(name).submit(job, job.size)
+        ln = lane(job)
+        cap = self._cap(ln)
+        if self.queued[ln] + job.size > cap:
+            self._shed(ln, "full")
+            raise OverloadedError(f"the {ln} queue is full ({self.queued[ln]} of {cap} inputs "
+                                  "waiting); retry shortly", retry_after_s=1)
+        self._count(ln, job.size)
+        try:
+            return await asyncio.wait_for(self.batcher(name, ln).submit(job, job.size),
+                                          self.settings.request_timeout_s)
+        except TimeoutError:
+            self._shed(ln, "deadline")
+            raise OverloadedError(f"not answered within {self.settings.request_timeout_s:g}s "
+                                  "(the server is busy); retry shortly",
+                                  retry_after_s=2) from None
+        finally:
+            self._count(ln, -job.size)
+
+    def _count(self, ln: str, n: int) -> None:
+        self.queued[ln] += n
+        if self.metrics is not None:
+            self.metrics.queue_items.labels(ln).set(self.queued[ln])
+
+    def _shed(self, ln: str, why: str) -> None:
+        if self.metrics is not None:
+            self.metrics.shed.labels(ln, why).inc()
 
     async def close(self) -> None:
         for b in self._batchers.values():

@@ -56,6 +56,15 @@ class ServingMetrics:
             "group), serialise (per response)",
             ["model", "stage"], buckets=LATENCY_BUCKETS, registry=r,
         )
+        self.queue_items = Gauge(
+            "vit_service_queue_items", "inputs admitted and not yet answered, per lane (plain "
+            "predictions / explanations): the signal to autoscale on", ["lane"], registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.shed = Counter(
+            "vit_service_shed_requests", "requests answered 503 for a full queue or a missed "
+            "deadline", ["lane", "why"], registry=r,
+        )
         self.model_load_seconds = Gauge(
             "vit_service_model_load_seconds", "duration of the last model load", ["model"],
             registry=r, multiprocess_mode="max",

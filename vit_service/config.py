@@ -77,6 +77,19 @@ class Settings(BaseSettings):
         16, ge=1, description="images or texts per request with attention=relevance or "
         "faithfulness=true (each costs a backward pass or ~55 extra forwards)")
     max_text_chars: int = Field(100_000, ge=1, description="characters per text")
+    max_queued_items: int = Field(
+        512, ge=1, description="inputs admitted for plain predictions (and attention maps) and "
+        "not yet answered, per API process; beyond it requests get 503 with Retry-After")
+    max_queued_explain_items: int = Field(
+        32, ge=1, description="the same for relevance / faithfulness inputs, a lane of their own "
+        "(each costs a backward pass or ~55 forwards), so a queue of explanations never holds "
+        "plain predictions back by more than one small explain batch")
+    explain_batch_size: int = Field(
+        4, ge=1, description="most inputs in one relevance / faithfulness batch: how long a plain "
+        "prediction may wait behind one")
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="a prediction not answered by then gets 503 (its work is dropped "
+        "if it has not started)")
     ready_requires_all: bool = Field(
         True, description="/readyz: every configured model loaded (else: at least one)"
     )
