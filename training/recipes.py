@@ -299,7 +299,8 @@ class Recipe(_Strict):
         "elsewhere). The last pass is always fp32, the served-precision accuracy recorded "
         "beside it (val_acc_bf16)")
     register_as: Literal["cifar10-vit", "imdb-sentiment", "cifar10-mae", "imdb-mlm"] | None = None
-    experiment: str = Field(min_length=1)
+    # a folder name under the artifact root too: letters, digits, _ . - only (no ../..)
+    experiment: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
     @property
     def task(self) -> Literal["image", "text"]:

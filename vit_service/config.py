@@ -120,6 +120,17 @@ class Settings(BaseSettings):
         30.0, ge=0, description="after SIGTERM, wait this long for a checkpoint before SIGKILL"
     )
     jobs_max_procs: int = Field(8, ge=1, description="most processes (torchrun) one job may ask")
+    jobs_max_threads: int = Field(64, ge=1, description="most torch threads a job may ask")
+    jobs_max_epochs: int = Field(1000, ge=1, description="most epochs a job may ask")
+    jobs_max_batch_size: int = Field(4096, ge=1, description="most examples per batch a job "
+                                     "may ask")
+    jobs_max_budget_minutes: float = Field(24 * 60, gt=0, description="longest budget a job "
+                                           "may ask")
+    jobs_max_params: int = Field(
+        500_000_000, ge=1, description="largest model (parameters) a job may build, counted "
+        "before it is queued")
+    jobs_max_queued: int = Field(64, ge=1, description="queued jobs in all; beyond it a new "
+                                 "job gets 429")
     jobs_poll_s: float = Field(0.5, gt=0, description="how often the job scheduler looks around")
     jobs_executor: Literal["local", "ray"] = Field(
         "local", description="where jobs run: processes on this machine, or a Ray cluster"

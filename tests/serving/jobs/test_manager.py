@@ -108,7 +108,7 @@ def test_invalid_requests(settings: Settings) -> None:
     assert e.value.status == 422
     with pytest.raises(JobError) as e:
         mgr.submit("fake", {"data.data_dir": "/etc"})
-    assert e.value.status == 422 and "outside the allowed roots" in str(e.value.detail)
+    assert e.value.status == 422 and "outside the data and home" in str(e.value.detail)
     with pytest.raises(JobError) as e:
         mgr.submit("fake", {"init.timm_file": "../../etc/passwd"})
     assert e.value.status == 422
@@ -170,3 +170,63 @@ def test_train_command_runs_the_cli_module_under_torchrun(settings: Settings) ->
     one = mgr.store.create(name="y", recipe="cifar10-smoke", overrides={}, nprocs=1,
                            runs_root=mgr.runs_root)
     assert mgr.command(one)[:3] == [sys.executable, "-m", "vit_service.cli"]
+
+
+@pytest.mark.parametrize("overrides", [
+    {"init.from": "/etc/passwd"},  # never checked before: the key has no path-like suffix
+    {"init": {"from": "../../etc/shadow"}},  # nested, relative
+    {"data.path": "~/secrets"},  # ~ would be expanded by the trainer, not by the check
+    {"data.path": "../outside"},  # relative to the data folder, then resolved
+    {"init.timm_file": "file:///etc/passwd"},
+    {"data": {"path": "/"}},
+])
+def test_every_path_field_is_resolved_before_it_is_checked(settings: Settings,
+                                                           overrides: dict) -> None:
+    mgr = _Manager(settings, validate=_validate)
+    with pytest.raises(JobError) as e:
+        mgr.submit("fake", overrides)
+    assert e.value.status == 422, overrides
+
+
+def test_accepted_paths_reach_the_trainer_resolved(settings: Settings) -> None:
+    (settings.data_dir / "mine").mkdir(parents=True)
+    mgr = _Manager(settings, validate=_validate)
+    job = mgr.submit("fake", {"data.path": "mine", "init.from": "models:/cifar10-mae@latest",
+                              "init": {"timm_file": "mine/w.pt"}})
+    assert job.overrides["data.path"] == str((settings.data_dir / "mine").resolve())
+    assert job.overrides["init"]["timm_file"] == str(
+        (settings.data_dir / "mine" / "w.pt").resolve())
+    assert job.overrides["init.from"] == "models:/cifar10-mae@latest"  # not a path
+
+
+@pytest.mark.parametrize("overrides", [
+    {"processes": 1000}, {"threads": 100_000}, {"epochs": 10**9}, {"batch_size": 10**7},
+    {"budget_minutes": 10**6},
+])
+def test_sizes_past_the_servers_caps_are_refused(settings: Settings, overrides: dict) -> None:
+    mgr = _Manager(settings, validate=_validate)
+    with pytest.raises(JobError) as e:
+        mgr.submit("fake", overrides)
+    assert e.value.status == 422 and "limit" in str(e.value.detail)
+
+
+def test_a_model_too_large_is_refused_before_it_is_queued(tmp_path: Path) -> None:
+    mgr = JobManager(Settings(home=tmp_path / "home", data_dir=tmp_path / "data"))
+    with pytest.raises(JobError) as e:
+        mgr.submit("cifar10-smoke", {"model.overrides.embed_dim": 8192,
+                                     "model.overrides.depth": 64})
+    assert e.value.status == 422 and "parameters" in str(e.value.detail)
+    with pytest.raises(JobError) as e:  # an experiment is a folder name too
+        mgr.submit("cifar10-smoke", {"experiment": "../../tmp/x"})
+    assert e.value.status == 422
+    assert mgr.submit("cifar10-smoke", {"epochs": 1}).state == JobState.queued
+
+
+def test_a_full_queue_is_429(tmp_path: Path) -> None:
+    s = Settings(home=tmp_path / "home", data_dir=tmp_path / "data", jobs_max_queued=2)
+    mgr = _Manager(s, validate=_validate)  # not started: everything stays queued
+    mgr.submit("fake", {})
+    mgr.submit("fake", {})
+    with pytest.raises(JobError) as e:
+        mgr.submit("fake", {})
+    assert e.value.status == 429 and "queue is full" in str(e.value.detail)
