@@ -102,7 +102,8 @@ class MlflowRun:
         takes ``@latest`` or an explicit version."""
         version = self.tracking.log_bundle(bundle_dir, task, registered_name=name)
         if name and version:
-            promoted = promote and self.tracking.promote_champion(name, version)
+            promoted = promote and self.tracking.promote_champion(
+                name, version, lock_dir=Path(self.settings.home))
             self.mlflow.set_tag("vit_service.champion", str(promoted).lower())
             self.mlflow.set_tag("vit_service.registered", f"{name}/{version}")
             log.info("registered %s v%s%s", name, version, " (champion)" if promoted else "")

@@ -144,6 +144,17 @@ class Task:
     def model_fields(self) -> dict[str, Any]:
         return {}
 
+    def val_fingerprint(self) -> str:
+        """sha256 of the validation split's inputs and labels: two runs' validation scores are
+        comparable (the champion check) only when their fingerprints match."""
+        h = hashlib.sha256()
+        for part in self._val_parts():
+            h.update(part)
+        return h.hexdigest()[:32]
+
+    def _val_parts(self) -> Iterator[bytes]:
+        raise NotImplementedError
+
     # pretraining objectives (mae / mlm)
     def pretrain_loss(self, model: nn.Module, batch: Batch,
                       generator: torch.Generator | None = None) -> Tensor:
@@ -278,6 +289,10 @@ class ImageTask(Task):
             idx = torch.from_numpy(rows[start : start + batch_size]).to(self.device)
             x = self.augment(self.val_x[idx], train=False)
             yield Batch((x,), self.val_y[idx], n_items=int(idx.numel()))
+
+    def _val_parts(self) -> Iterator[bytes]:
+        yield self.val_x.cpu().contiguous().numpy().tobytes()  # (N, 3, H, W) uint8
+        yield self.val_y.cpu().numpy().astype("<i8").tobytes()
 
     def bundle_preprocess(self) -> dict[str, Any]:
         return {"image_size": self.recipe.data.image_size, "mean": list(CIFAR10_MEAN),
@@ -459,6 +474,11 @@ class TextTask(Task):
             idx = torch.from_numpy(rows[start : start + batch_size])
             dev_idx = idx.to(self.device)
             yield self._make_batch(self.val_ids[dev_idx], self.val_len[idx], self.val_y[dev_idx])
+
+    def _val_parts(self) -> Iterator[bytes]:
+        for text in self.val_texts:  # the raw reviews: independent of the tokenizer
+            yield text.encode("utf-8") + b"\0"
+        yield self.val_y.cpu().numpy().astype("<i8").tobytes()
 
     def bundle_preprocess(self) -> dict[str, Any]:
         return {"max_len": self.max_len, "truncation": self.recipe.data.truncation}

@@ -299,7 +299,9 @@ class _Run(BudgetedRun, CheckpointedRun):
                     "model.n_trainable": count_parameters(self.model),
                     "train.device": str(self.device),
                     "train.precision": "bf16" if self.amp_dtype else "fp32",
-                    "train.attention": "fused" if self.fused_attn else "explicit"})
+                    "train.attention": "fused" if self.fused_attn else "explicit",
+                    # what the champion check compares: scores count only on the same split
+                    self.mlrun.tracking.SPLIT_PARAM: self.task.val_fingerprint()})
                 if self.lineage.init != "scratch":
                     self.mlrun.log_lineage(self.lineage.to_dict(), self.init_source.parent_recipe
                                            if self.init_source else None)

@@ -10,6 +10,7 @@ version's validation accuracy beats the current champion's.
 from __future__ import annotations
 
 import base64
+import fcntl
 import logging
 import tempfile
 from dataclasses import dataclass
@@ -152,22 +153,51 @@ def _example_input(task: str) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+SPLIT_PARAM = "eval.split_fingerprint"  # sha256 of the validation inputs and labels
+
+
 def promote_champion(
-    name: str, version: str, metric: str = "val_acc", client: MlflowClient | None = None
+    name: str, version: str, metric: str = "val_acc", client: MlflowClient | None = None,
+    lock_dir: Path | None = None,
 ) -> bool:
-    """Move the ``champion`` alias to ``version`` iff its run's ``metric`` beats the champion's."""
+    """Move the ``champion`` alias to ``version`` iff its run's ``metric`` beats the champion's
+    *on the same validation split* (the runs' :data:`SPLIT_PARAM` fingerprints match: a run
+    that shrank its ``val_size`` cannot win with 100 %). Check and move hold an exclusive lock
+    on ``<lock_dir>/champion-<name>.lock`` (default: the service's home, which every trainer
+    of a deployment shares), so two runs finishing together cannot both win."""
     client = client or MlflowClient()
+    lock_dir = lock_dir or get_settings().home
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / f"champion-{name}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return _promote(name, version, metric, client)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _promote(name: str, version: str, metric: str, client: MlflowClient) -> bool:
     new = client.get_model_version(name, version)
-    new_score = client.get_run(new.run_id).data.metrics.get(metric)
+    new_run = client.get_run(new.run_id)
+    new_score = new_run.data.metrics.get(metric)
     try:
         cur = client.get_model_version_by_alias(name, CHAMPION)
-        cur_score = client.get_run(cur.run_id).data.metrics.get(metric)
+        cur_run = client.get_run(cur.run_id)
+        cur_score = cur_run.data.metrics.get(metric)
     except MlflowException:
-        cur, cur_score = None, None
-    if cur is not None and cur_score is not None and (new_score is None or new_score <= cur_score):
-        log.info("%s v%s (%s=%s) does not beat champion v%s (%s); alias unchanged",
-                 name, version, metric, new_score, cur.version, cur_score)
-        return False
+        cur, cur_run, cur_score = None, None, None
+    if cur is not None and cur_run is not None and cur_score is not None:
+        split_new = new_run.data.params.get(SPLIT_PARAM)
+        split_cur = cur_run.data.params.get(SPLIT_PARAM)
+        if split_cur is not None and split_new != split_cur:
+            log.info("%s v%s was scored on another validation split (%s) than champion v%s "
+                     "(%s): not comparable, alias unchanged", name, version, split_new,
+                     cur.version, split_cur)
+            return False
+        if new_score is None or new_score <= cur_score:
+            log.info("%s v%s (%s=%s) does not beat champion v%s (%s); alias unchanged",
+                     name, version, metric, new_score, cur.version, cur_score)
+            return False
     client.set_registered_model_alias(name, CHAMPION, version)
     log.info("%s v%s is now %s (%s=%s)", name, version, CHAMPION, metric, new_score)
     return True

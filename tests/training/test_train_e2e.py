@@ -101,6 +101,24 @@ def test_worse_run_does_not_move_champion_and_evaluate(image_run: dict, data_dir
     assert rc == 2 and "'test' split is not present" in err
 
 
+def test_a_run_scored_on_a_smaller_split_is_not_promoted(image_run: dict,
+                                                          data_dir: Path) -> None:
+    """A run with its own ``data.val_size`` is registered with its split's fingerprint and
+    does not become champion (the decision itself: tests/vit_service/test_promotion.py)."""
+    settings = Settings(home=image_run["home"], cache_dir=data_dir.parent / "cache")
+    client = mlflow_client(image_run["uri"])
+    before = str(client.get_model_version_by_alias("cifar10-vit", "champion").version)
+    gamed = load_recipe("cifar10-smoke", {"data.val_size": 10, "epochs": 1})
+    res = train(gamed, data_dir=data_dir, run_name="smoke-gamed", settings=settings,
+                tracking_uri=image_run["uri"])
+    run = client.get_run(client.get_model_version("cifar10-vit", res.registered_version).run_id)
+    champ = client.get_run(client.get_model_version_by_alias("cifar10-vit", "champion").run_id)
+    assert run.data.params["eval.split_fingerprint"] != champ.data.params[
+        "eval.split_fingerprint"]
+    assert str(client.get_model_version_by_alias("cifar10-vit", "champion").version) == before
+    assert run.data.tags["vit_service.champion"] == "false"
+
+
 def test_text_cli_run_end_to_end(tmp_path: Path, data_dir: Path, run_cli, mlflow_db) -> None:
     uri = mlflow_db(tmp_path)
     env = {"VIT_SERVICE_HOME": str(tmp_path / "home"), **QUIET,
