@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -59,16 +62,30 @@ class ModelBundle:
 def save_bundle(
     path: str | Path, model: nn.Module, meta: BundleMeta, tokenizer: Any = None
 ) -> Path:
-    """Write the bundle folder (created if needed) and return its path."""
+    """Write the bundle folder and return its path. It is written beside ``path`` and renamed
+    into place, so a reader (a server reloading it) sees the old bundle or the new one, whole,
+    never a half-written one."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    torch.save(state, path / WEIGHTS)
-    (path / META).write_text(meta.to_json())
-    if tokenizer is not None:
-        tokenizer.save(path / TOKENIZER)
-    elif meta.task == "text":
+    if tokenizer is None and meta.task == "text":
         raise ValueError("a text bundle needs its tokenizer")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        torch.save(state, tmp / WEIGHTS)
+        (tmp / META).write_text(meta.to_json())
+        if tokenizer is not None:
+            tokenizer.save(tmp / TOKENIZER)
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return path
 
 

@@ -120,6 +120,12 @@ class Settings(BaseSettings):
         30.0, ge=0, description="after SIGTERM, wait this long for a checkpoint before SIGKILL"
     )
     jobs_max_procs: int = Field(8, ge=1, description="most processes (torchrun) one job may ask")
+    jobs_host_id: str | None = Field(
+        None, description="this API host's name in the job store (default: hostname and boot "
+        "id); two hosts sharing one database must differ")
+    jobs_lease_s: float = Field(
+        30.0, gt=0, description="a running job whose host has not renewed its lease for this "
+        "long is settled by another host (renewed every third of it)")
     jobs_max_threads: int = Field(64, ge=1, description="most torch threads a job may ask")
     jobs_max_epochs: int = Field(1000, ge=1, description="most epochs a job may ask")
     jobs_max_batch_size: int = Field(4096, ge=1, description="most examples per batch a job "

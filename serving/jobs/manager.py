@@ -11,9 +11,11 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -57,6 +59,16 @@ def _default_validate(recipe: str, overrides: dict[str, Any]) -> None:
         load_recipe(recipe, overrides)
     except RecipeError as e:
         raise JobError(422, str(e)) from e
+
+
+def _host_id() -> str:
+    """This machine in the job store: its hostname and boot id (a rebooted host is another
+    host: none of its earlier processes survived)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        boot = "0"
+    return f"{socket.gethostname()}/{boot}"
 
 
 def _proc_start(pid: int) -> str | None:
@@ -109,6 +121,8 @@ class JobManager:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.concurrency = settings.jobs_concurrency or self._default_concurrency()
+        self.host = settings.jobs_host_id or _host_id()
+        self._renewed = -math.inf  # monotonic time of the last lease renewal
 
     @staticmethod
     def _default_concurrency() -> int:
@@ -136,6 +150,9 @@ class JobManager:
 
     def recover(self) -> None:
         for job in self.store.list(JobState.running, limit=10_000):
+            if job.host not in (None, self.host):  # another API host's job
+                self._settle_if_expired(job)
+                continue
             if job.pid is not None and _alive(job.pid, job.pid_start):
                 log.info("re-adopting running job %s (pid %d)", job.id, job.pid)
                 with self._lock:
@@ -175,11 +192,16 @@ class JobManager:
         if job.state != JobState.running:
             raise JobError(409, f"job {job_id} is {job.state.value}; only queued or running "
                                 "jobs can be cancelled")
-        self.store.update(job_id, reason="cancel requested")  # before the stop: what ends
-        try:                                                   # next reads it as a cancel
+        # check-and-set before the stop (what ends next reads it as a cancel): a job that
+        # finished meanwhile keeps its own state and reason
+        if self.store.transition(job_id, {JobState.running}, reason="cancel requested") is None:
+            job = self._get(job_id)
+            raise JobError(409, f"job {job_id} is {job.state.value}; only queued or running "
+                                "jobs can be cancelled")
+        try:
             self._request_stop(job)
         except JobError:
-            self.store.update(job_id, reason=job.reason)
+            self.store.transition(job_id, {JobState.running}, reason=job.reason)
             raise
         return self._get(job_id)
 
@@ -238,10 +260,17 @@ class JobManager:
             self._stop.wait(self.settings.jobs_poll_s)
 
     def tick(self) -> None:
-        """One scheduling pass: reap finished jobs, read progress, start queued jobs."""
+        """One scheduling pass: reap finished jobs, read progress, renew this host's leases
+        and settle expired ones of other hosts, start queued jobs."""
         with self._lock:
             for job_id in list(self._tracked):
                 self._poll(job_id)
+            if time.monotonic() - self._renewed >= self.settings.jobs_lease_s / 3:
+                self._renewed = time.monotonic()
+                self.store.heartbeat(list(self._tracked), self.host)
+                for job in self.store.list(JobState.running, limit=10_000):
+                    if job.host not in (None, self.host) and job.id not in self._tracked:
+                        self._settle_if_expired(job)
             while len(self._tracked) < self.concurrency:
                 job = self.store.oldest_queued()
                 if job is None or not self._launch(job):
@@ -249,32 +278,38 @@ class JobManager:
 
     def _launch(self, job: JobRecord) -> bool:
         claimed = self.store.transition(job.id, {JobState.queued}, state=JobState.running,
-                                        started_at=utcnow(), attempts=job.attempts + 1)
+                                        started_at=utcnow(), attempts=job.attempts + 1,
+                                        host=self.host, heartbeat_at=utcnow())
         if claimed is None:
             return True  # cancelled meanwhile; try the next one
-        run_dir = Path(job.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        cmd = self.command(claimed)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               "MLFLOW_TRACKING_URI": self.settings.resolved_tracking_uri,
-               "VIT_SERVICE_HOME": str(self.settings.home.resolve()),
-               "VIT_SERVICE_DATA_DIR": str(self.settings.data_dir.resolve())}
+        # from the claim on, the job either starts or is failed with the reason: nothing may
+        # leave it marked running with no process (a full disk, a folder in the way)
         try:
+            run_dir = Path(job.run_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            cmd = self.command(claimed)
+            env = {**os.environ, "PYTHONUNBUFFERED": "1",
+                   "MLFLOW_TRACKING_URI": self.settings.resolved_tracking_uri,
+                   "VIT_SERVICE_HOME": str(self.settings.home.resolve()),
+                   "VIT_SERVICE_DATA_DIR": str(self.settings.data_dir.resolve())}
             with open(claimed.log_path, "ab") as logf:
                 logf.write(f"# {' '.join(cmd)}\n".encode())
                 logf.flush()
                 proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env, cwd=run_dir,
                                         start_new_session=True)
-        except OSError as e:
-            self.store.update(job.id, state=JobState.failed, finished_at=utcnow(),
-                              reason=f"could not start: {e}")
+        except Exception as e:  # noqa: BLE001 (whatever it was, the job must not hang)
+            log.exception("job %s could not start", job.id)
+            self.store.transition(job.id, {JobState.running}, state=JobState.failed,
+                                  finished_at=utcnow(),
+                                  reason=f"could not start: {type(e).__name__}: {e}")
             return True
         start = _proc_start(proc.pid)
         # progress is read from here on; an earlier attempt's lines (before resuming) are skipped
         offset = claimed.log_path.stat().st_size
         self._tracked[job.id] = _Tracked(proc, proc.pid, start, offset=offset)
-        self.store.update(job.id, pid=proc.pid, pid_start=start, executor="local")
+        self.store.update(job.id, pid=proc.pid, pid_start=start, executor="local",
+                          host=self.host, heartbeat_at=utcnow())
         log.info("job %s started (pid %d): %s", job.id, proc.pid, " ".join(cmd))
         return True
 
@@ -318,6 +353,19 @@ class JobManager:
             del self._tracked[job_id]
             self._finish_adopted(self._get(job_id), "the process ended while not our child")
 
+    def _settle_if_expired(self, job: JobRecord) -> None:
+        """Another host's running job: left alone while that host renews its lease (its
+        process is not ours to check: pids mean nothing across hosts); settled from its log
+        once the lease has expired (the host died, or lost the database)."""
+        beat = job.heartbeat_at or job.started_at
+        if beat is not None and (utcnow() - beat).total_seconds() < self.settings.jobs_lease_s:
+            return
+        if job.executor not in (None, "local"):
+            return  # a Ray job: its own executor follows it
+        self._read_progress(job.id, _Tracked(None, 0, None))
+        self._finish_adopted(self._get(job.id), f"its API host {job.host} stopped renewing its "
+                                                "lease")
+
     def _finish_adopted(self, job: JobRecord, why: str) -> None:
         """Settle a job whose exit status we cannot know, from what its log says."""
         end = self._last_event(job, "end")
@@ -329,8 +377,9 @@ class JobManager:
             state = JobState.failed
             reason = f"{why}; exit status unknown. Resume it from its last checkpoint with " \
                      f"POST /v1/jobs/{job.id}/resume"
-        self.store.update(job.id, state=state, finished_at=utcnow(), reason=reason, pid=None)
-        log.info("job %s settled as %s: %s", job.id, state.value, reason)
+        if self.store.transition(job.id, {JobState.running}, state=state, finished_at=utcnow(),
+                                 reason=reason, pid=None) is not None:
+            log.info("job %s settled as %s: %s", job.id, state.value, reason)
 
     # --- progress -------------------------------------------------------------------------------
     def _read_progress(self, job_id: str, t: _Tracked) -> JobRecord:

@@ -72,10 +72,16 @@ class _JobRow(_Base):
     progress: Mapped[dict] = mapped_column(JSON, default=dict)
     # where the current attempt runs, set once that executor accepted it: local | ray
     executor: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    # the API host running a local job, and its lease: renewed while that host follows the
+    # job; another host settles the job only once the lease has expired
+    host: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True),
+                                                          nullable=True)
 
 
 # columns added after the first release: (name, DDL type), added to older tables on start-up
-_ADDED_COLUMNS = (("executor", "VARCHAR(16)"),)
+_ADDED_COLUMNS = (("executor", "VARCHAR(16)"), ("host", "VARCHAR(200)"),
+                  ("heartbeat_at", "TIMESTAMP"))
 
 
 @dataclass
@@ -101,6 +107,8 @@ class JobRecord:
     mlflow_run_id: str | None = None
     progress: dict[str, Any] = field(default_factory=dict)
     executor: str | None = None
+    host: str | None = None
+    heartbeat_at: datetime | None = None
 
     @property
     def log_path(self) -> Path:
@@ -118,6 +126,7 @@ def _record(row: _JobRow) -> JobRecord:
         exit_code=row.exit_code, reason=row.reason, pid=row.pid, pid_start=row.pid_start,
         resume=bool(row.resume), attempts=row.attempts, mlflow_run_id=row.mlflow_run_id,
         progress=json.loads(json.dumps(row.progress or {})), executor=row.executor,
+        host=row.host, heartbeat_at=aware(row.heartbeat_at),
     )
 
 
@@ -233,6 +242,15 @@ class JobStore:
             if s.execute(q).rowcount != 1:
                 return None
         return self.get(job_id)
+
+    def heartbeat(self, job_ids: list[str], host: str) -> None:
+        """Renew the lease of ``host``'s running jobs (one UPDATE)."""
+        if not job_ids:
+            return
+        q = (update(_JobRow).where(_JobRow.id.in_(job_ids)).where(_JobRow.host == host)
+             .where(_JobRow.state == JobState.running.value).values(heartbeat_at=utcnow()))
+        with self._session.begin() as s:
+            s.execute(q)
 
     def _add_missing_columns(self) -> None:
         """A jobs table from an older release gets the columns added since (no data moves)."""

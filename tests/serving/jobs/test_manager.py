@@ -230,3 +230,59 @@ def test_a_full_queue_is_429(tmp_path: Path) -> None:
     with pytest.raises(JobError) as e:
         mgr.submit("fake", {})
     assert e.value.status == 429 and "queue is full" in str(e.value.detail)
+
+
+def test_a_failure_right_after_the_claim_fails_the_job_with_its_reason(
+        settings: Settings) -> None:
+    """The claim marks the job running; its folder cannot be made (a file is in the way):
+    the job ends failed with the reason, not running forever with no process."""
+    mgr = _Manager(settings, validate=_validate)
+    job = mgr.submit("fake", {"steps": 2})
+    Path(job.run_dir).parent.mkdir(parents=True, exist_ok=True)
+    Path(job.run_dir).write_text("not a folder")
+    mgr.tick()
+    done = mgr.get(job.id)
+    assert done.state == JobState.failed, done
+    assert done.reason.startswith("could not start: FileExistsError")
+
+
+def test_cancel_leaves_a_finished_job_as_it_ended(settings: Settings) -> None:
+    mgr = _Manager(settings, validate=_validate)
+    job = mgr.submit("fake", {"steps": 1})
+    _wait(mgr, job.id, {JobState.succeeded})
+    with pytest.raises(JobError) as e:
+        mgr.cancel(job.id)
+    assert e.value.status == 409
+    after = mgr.get(job.id)
+    assert after.state == JobState.succeeded and after.reason is None
+
+
+def test_two_hosts_on_one_database_leave_each_others_live_jobs_alone(tmp_path: Path) -> None:
+    """Host A runs a job; host B (re)starting on the same database must neither fail it nor
+    adopt it (A's pid means nothing on B). Once A dies (its process gone, its lease no longer
+    renewed), B settles the job after the lease expires, resumably."""
+    common = dict(home=tmp_path / "home", data_dir=tmp_path / "data", jobs_poll_s=0.05,
+                  jobs_concurrency=1, jobs_lease_s=1.5)
+    a = _Manager(Settings(jobs_host_id="host-a", **common), validate=_validate)
+    b = _Manager(Settings(jobs_host_id="host-b", **common), validate=_validate)
+    job = a.submit("fake", {"steps": 400})
+    _wait(a, job.id, {JobState.running})
+    assert a.get(job.id).host == "host-a"
+    b.recover()
+    b.tick()
+    assert b.get(job.id).state == JobState.running and job.id not in b._tracked
+    for _ in range(4):  # A keeps renewing: past one lease, B still leaves it alone
+        time.sleep(0.5)
+        a.tick()
+        b.tick()
+    assert b.get(job.id).state == JobState.running
+    a._signal(a._tracked[job.id].pid, __import__("signal").SIGKILL)  # host A goes down
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and b.get(job.id).state == JobState.running:
+        b._renewed = float("-inf")  # check now rather than in a third of a lease
+        b.tick()
+        time.sleep(0.2)
+    done = b.get(job.id)
+    assert done.state == JobState.failed, done
+    assert "host-a stopped renewing its lease" in done.reason and "resume" in done.reason
+    assert (time.monotonic() - deadline + 10) >= 1.0  # not before the lease ran out
