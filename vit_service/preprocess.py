@@ -32,8 +32,11 @@ def image_header(data: bytes) -> tuple[str, int, int]:
     try:
         with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
             return str(img.format), int(img.width), int(img.height)
+    except Image.DecompressionBombError as e:  # Pillow's own (larger) limit
+        raise ImageTooLargeError(str(e)) from e
     except Exception as e:  # PIL raises many types for bad data
-        raise ImageDecodeError(f"not a {'/'.join(IMAGE_FORMATS)} image") from e
+        raise ImageDecodeError(f"cannot decode image: not a {'/'.join(IMAGE_FORMATS)} image, "
+                               "or a corrupt one") from e
 
 
 def decode_image(data: bytes, max_pixels: int = 4096 * 4096,

@@ -122,6 +122,8 @@ def _headers(items: list[tuple[bytes, str | None]], max_pixels: int,
             raise BadInputError(f"{what} is empty")
         try:
             _, w, h = image_header(data)
+        except ImageTooLargeError as e:
+            raise PayloadTooLargeError(f"{what}: {e}") from e
         except ImageDecodeError as e:
             raise BadInputError(f"{what}: {e}") from e
         if w * h > max_pixels:

@@ -146,7 +146,7 @@ def test_bad_inputs(client, image_bytes, png_header) -> None:
         (b"hello", "text/plain", {}, 415, "unsupported content type"),
         (good, "application/octet-stream", {}, 415, "unsupported content type"),
         (png_header(100_000, 100_000), "image/png", {}, 413, "pixels"),
-        (png_header(5000, 4000), "image/png", {}, 413, "limit"),  # 20 MP > 16.7 MP default
+        (png_header(5000, 4000), "image/png", {}, 413, "limit"),  # 20 MP > 12 MP default
         (good, "image/png", {"model": "nope"}, 404, "unknown model"),
         (good, "image/png", {"model": "imdb-sentiment"}, 422, "text model"),
         (good, "image/png", {"top_k": 0}, 422, None),
