@@ -74,7 +74,7 @@ def _client_host(host: str) -> str:
 
 
 def run_up(args: argparse.Namespace, base: Settings) -> int:
-    from serving.cli import run_api
+    from serving.server import run_api
 
     host = _client_host(base.host)
     # MLflow has no authentication of its own here and the API serves whatever @champion

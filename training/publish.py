@@ -8,7 +8,7 @@ import logging
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -20,7 +20,33 @@ from vit_service.bundle import BundleMeta, save_bundle
 from vit_service.precision import resolve_precision
 
 if TYPE_CHECKING:
-    from training.trainer import _Run
+    from training.init import Lineage
+    from training.optim import ModelEma
+    from training.recipes import Recipe
+    from training.reporting import MlflowRun
+    from training.tasks import Task
+
+
+class _Run(Protocol):
+    """What publishing reads of a run (:class:`training.trainer._Run` is one): a view, so
+    that this module does not import the trainer that calls it."""
+
+    recipe: Recipe
+    task: Task
+    device: torch.device
+    last_eval: EvalResult | LossResult | None
+    run_dir: Path
+    run_name: str
+    step: int
+    model_config: dict[str, Any]
+    ema: ModelEma | None
+    lineage: Lineage
+    mlrun: MlflowRun | None
+    register: bool
+
+    def eval_model(self) -> nn.Module: ...
+
+    def _set_train_mode(self) -> None: ...
 
 log = logging.getLogger(__name__)
 

@@ -549,15 +549,6 @@ def _set(overrides: dict[str, Any], dotted: str, value: Any) -> None:
             return
 
 
-def create_job_manager(settings: Settings) -> JobManager:
-    """The manager for ``settings.jobs_executor``: local processes, or a Ray cluster."""
-    if settings.jobs_executor == "ray":
-        from serving.jobs.ray_jobs import RayJobManager
-
-        return RayJobManager(settings)
-    return JobManager(settings)
-
-
 def train_command(job: JobRecord, python: str, resume: str | None) -> list[str]:
     """The ``vit-service train`` command line of ``job``: built from its validated recipe name
     and typed overrides only (never a user string), under torchrun when it asks >1 process.
