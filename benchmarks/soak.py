@@ -9,8 +9,9 @@ that nothing else fails (no 500s) and that its memory comes back.
 2. its capacity, each kind alone at saturation (``hey -c 16`` plain, ``-c 8`` relevance with
    faithfulness): ``Rp`` and ``Rr`` requests per second;
 3. the soak: ``--seconds`` (60) of plain requests offered at ``2 x 0.8 Rp`` and relevance ones
-   at ``2 x 0.2 Rr`` at once (two rate-limited ``hey`` processes: twice one capacity unit),
-   the server's resident memory (all its processes) sampled every 0.5 s.
+   at ``2 x 0.2 Rr`` at once (twice one capacity unit), open-loop: two ``hey`` processes with
+   enough rate-limited connections (rate x 2.5 s) that the offered rate holds while answers
+   wait; the server's resident memory (all its processes) sampled every 0.5 s.
 
     python benchmarks/soak.py                      # ~2.5 min, prints a table and JSON
     python benchmarks/soak.py --bundle path/to/bundle --seconds 60 --workers 2
@@ -36,6 +37,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import BIN, Server, free_port, jpeg_image, register  # noqa: E402
+
+OPEN_LOOP_S = 2.5  # how long a connection may wait for an answer before the offered rate drops
 
 
 def hey_rows(url: str, body: Path, concurrency: int, seconds: float,
@@ -108,16 +111,17 @@ def main(argv: list[str] | None = None) -> int:
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        # twice one capacity unit: 80 % of the plain capacity + 20 % of the relevance one
-        cp, cr = 32, 8
+        # twice one capacity unit: 80 % of the plain capacity + 20 % of the relevance one,
+        # offered open-loop: enough connections, each rate-limited, that every one can wait
+        # OPEN_LOOP_S for its answer and the offered rate still holds whatever the server does
         results: dict[str, list[tuple[int, float]]] = {}
 
-        def run(kind: str, url: str, c: int, rate: float) -> None:
+        def run(kind: str, url: str, rate: float) -> None:
+            c = max(8, int(rate * OPEN_LOOP_S))
             results[kind] = hey_rows(url, body, c, a.seconds, rate / c)
 
-        threads = [threading.Thread(target=run, args=("plain", plain, cp, 2 * 0.8 * cap_p)),
-                   threading.Thread(target=run, args=("relevance", explain, cr,
-                                                      2 * 0.2 * cap_r))]
+        threads = [threading.Thread(target=run, args=("plain", plain, 2 * 0.8 * cap_p)),
+                   threading.Thread(target=run, args=("relevance", explain, 2 * 0.2 * cap_r))]
         for t in threads:
             t.start()
         for t in threads:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -367,21 +368,25 @@ def run_text_jobs(model: LoadedModel, jobs: list[TextJob],
 
 
 PLAIN, EXPLAIN = "plain", "explain"
+COST_ALPHA = 0.2  # weight of the newest batch in the moving average of seconds per input
 
 
-def lane(job: Job) -> str:
+def lane_of(spec: ExplainSpec) -> str:
     """Relevance and faithfulness cost a backward pass or ~55 forwards per input: a lane of
     their own, with its own admission cap and small batches."""
-    return EXPLAIN if job.spec.relevance or job.spec.faithfulness else PLAIN
+    return EXPLAIN if spec.relevance or spec.faithfulness else PLAIN
 
 
 class InferenceService:
     """One micro-batcher per served model and lane, all feeding one inference thread.
 
-    Admission: the inputs admitted and not yet answered are counted per lane; a request that
-    would take its lane past ``max_queued_items`` / ``max_queued_explain_items`` gets 503 with
-    ``Retry-After`` at once, and one not answered within ``request_timeout_s`` gets 503 too
-    (its job is skipped if its batch has not started). The one inference thread takes batches
+    Admission: the inputs admitted and not yet answered are counted per lane, and each lane
+    keeps a moving average of the seconds one input costs; a request that would take its lane
+    past ``max_queued_items`` / ``max_queued_explain_items``, or whose estimated wait (inputs
+    ahead x seconds per input) passes ``max_queue_wait_s``, gets 503 with ``Retry-After`` at
+    once (the routes ask before reading the body, and again with the exact size), and one not
+    answered within ``request_timeout_s`` gets 503 too (its job is skipped if its batch has
+    not started). The one inference thread takes batches
     from the lanes' batchers in turn, and an explain batch holds at most ``explain_batch_size``
     inputs, so plain predictions stay responsive while explanations are queued."""
 
@@ -394,6 +399,7 @@ class InferenceService:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
         self._batchers: dict[tuple[str, str], MicroBatcher[Job, JobOutput]] = {}
         self.queued = {PLAIN: 0, EXPLAIN: 0}  # inputs admitted and not yet answered
+        self.per_input_s: dict[str, float | None] = {PLAIN: None, EXPLAIN: None}
 
     def _cap(self, lane_: str) -> int:
         s = self.settings
@@ -402,7 +408,9 @@ class InferenceService:
     def batcher(self, name: str, lane_: str = PLAIN) -> MicroBatcher[Job, JobOutput]:
         b = self._batchers.get((name, lane_))
         if b is None:
-            def on_batch(n: int, seconds: float, name: str = name) -> None:
+            def on_batch(n: int, seconds: float, name: str = name, ln: str = lane_) -> None:
+                cost, prev = seconds / max(1, n), self.per_input_s[ln]
+                self.per_input_s[ln] = cost if prev is None else prev + COST_ALPHA * (cost - prev)
                 if self.metrics is not None:
                     self.metrics.batch_size.labels(name).observe(n)
                     self.metrics.batch_seconds.labels(name).observe(seconds)
@@ -454,13 +462,24 @@ class InferenceService:
             return run_image_jobs(model, jobs, observe)  # type: ignore[arg-type]
         return run_text_jobs(model, jobs, observe)  # type: ignore[arg-type]
 
-    async def predict(self, name: str, job: Job) -> JobOutput:
-        ln = lane(job)
+    def admit(self, ln: str, size: int = 1) -> None:
+        """503 with Retry-After if ``size`` more inputs would overfill lane ``ln``: past its cap
+        in inputs, or past ``max_queue_wait_s`` of estimated wait."""
         cap = self._cap(ln)
-        if self.queued[ln] + job.size > cap:
+        if self.queued[ln] + size > cap:
             self._shed(ln, "full")
             raise OverloadedError(f"the {ln} queue is full ({self.queued[ln]} of {cap} inputs "
                                   "waiting); retry shortly", retry_after_s=1)
+        per = self.per_input_s[ln]
+        wait = (self.queued[ln] + size) * per if per is not None else 0.0
+        if wait > self.settings.max_queue_wait_s:
+            self._shed(ln, "wait")
+            raise OverloadedError(f"the {ln} queue would hold this request ~{wait:.1f}s; retry "
+                                  "shortly", retry_after_s=math.ceil(wait))
+
+    async def predict(self, name: str, job: Job) -> JobOutput:
+        ln = lane_of(job.spec)
+        self.admit(ln, job.size)
         self._count(ln, job.size)
         try:
             return await asyncio.wait_for(self.batcher(name, ln).submit(job, job.size),

@@ -84,6 +84,10 @@ class Settings(BaseSettings):
         32, ge=1, description="the same for relevance / faithfulness inputs, a lane of their own "
         "(each costs a backward pass or ~55 forwards), so a queue of explanations never holds "
         "plain predictions back by more than one small explain batch")
+    max_queue_wait_s: float = Field(
+        1.0, gt=0, description="a request whose estimated wait in its lane (inputs ahead x the "
+        "measured seconds per input) is longer gets 503 with Retry-After at once: what is served "
+        "is served within about this much queueing")
     explain_batch_size: int = Field(
         4, ge=1, description="most inputs in one relevance / faithfulness batch: how long a plain "
         "prediction may wait behind one")

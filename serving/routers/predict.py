@@ -20,7 +20,14 @@ from serving.errors import (
     error_responses,
 )
 from serving.explanations import build_spec, check_explain_size, check_relevance
-from serving.inference import ImageInput, ImageJob, InferenceService, JobOutput, TextJob
+from serving.inference import (
+    ImageInput,
+    ImageJob,
+    InferenceService,
+    JobOutput,
+    TextJob,
+    lane_of,
+)
 from serving.model_store import IMAGE_CONTENT_TYPES
 from serving.schemas import (
     AttentionEncoding,
@@ -191,6 +198,7 @@ async def predict_image(
     check_relevance(served, spec)
     if overlay and not spec.maps:
         raise InvalidRequestError("overlay=true needs attention maps (attention != none)")
+    service.admit(lane_of(spec))  # shed before reading and decoding the body
     items = await _read_images(request, settings.max_items_per_request)
     if len(items) > settings.max_items_per_request:
         raise InvalidRequestError(f"at most {settings.max_items_per_request} images per request")
@@ -237,6 +245,7 @@ async def predict_text(
     served = loaded_model(store, name, "text")
     spec = build_spec(body.attention, body.faithfulness, body.target, served.class_names)
     check_relevance(served, spec)
+    service.admit(lane_of(spec), len(texts))
     check_explain_size(spec, len(texts), settings.max_explain_items, "texts")
     out = await service.predict(name, TextJob(texts, body.top_k, spec,
                                               body.encoding is AttentionEncoding.f16_base64))

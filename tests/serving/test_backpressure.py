@@ -70,3 +70,24 @@ def test_a_request_past_its_deadline_is_503_and_its_work_dropped(
     time.sleep(1.0)  # the thread is free again: the abandoned job is skipped, not run
     assert client.app.state.service.batcher("local-vit").batches == before
     assert _post(client, data, model="local-vit").status_code == 200
+
+
+def test_a_request_that_would_wait_too_long_is_shed_before_its_body_is_read(
+        make_client, registry, image_bytes) -> None:
+    """The lane's measured seconds per input x the inputs ahead of a request is its wait: past
+    ``max_queue_wait_s``, 503 at once with a Retry-After of that wait."""
+    client = make_client({"local-vit": str(registry.local_bundle)}, max_queue_wait_s=0.5)
+    data = _png(image_bytes)
+    assert _post(client, data, model="local-vit").status_code == 200
+    service = client.app.state.service
+    service.per_input_s["plain"] = 0.2  # as if each input had cost 0.2 s
+    _block(client, 1.5)
+    with ThreadPoolExecutor(4) as pool:
+        first = [pool.submit(_post, client, data, model="local-vit") for _ in range(2)]
+        time.sleep(0.3)  # both admitted: 2 x 0.2 s <= 0.5 s
+        r = _post(client, b"not even an image", model="local-vit")
+        assert r.status_code == 503, r.text  # 3 x 0.2 s > 0.5 s: shed, the body never read
+        assert r.headers["retry-after"] == "1" and "~0.6s" in r.json()["detail"]
+        assert [f.result().status_code for f in first] == [200, 200]
+    metrics = client.get("/metrics").text
+    assert 'vit_service_shed_requests_total{lane="plain",why="wait"} 1.0' in metrics
