@@ -317,7 +317,7 @@ class ModelStore:
             loaded_at=datetime.now(timezone.utc), load_seconds=time.perf_counter() - start,
             forwards=forwards,
         )
-        reason = probe_relevance(bundle, loaded.precision)
+        reason = probe_relevance(loaded)
         if reason is not None:
             log.warning("model %s cannot give relevance in %s: %s", name, loaded.precision,
                         reason)
@@ -338,14 +338,14 @@ class ModelStore:
         return f"{base.rstrip('/')}/#/experiments/{exp}/runs/{run_id}"
 
 
-def probe_relevance(bundle: ModelBundle, precision: str) -> str | None:
+def probe_relevance(model: LoadedModel) -> str | None:
     """Run the relevance pass once on a blank input, as a request would (served precision,
-    inference mode): None if it works, else why not, in a sentence for the model card and
-    the 422 a request for relevance then gets."""
+    the model's grid and query row, inference mode): None if it works, else why not, in a
+    sentence for the model card and the 422 a request for relevance then gets."""
     from vit_service.explain import explain
     from vit_service.precision import inference_precision
 
-    net, meta = bundle.model, bundle.meta
+    net, meta, precision = model.bundle.model, model.bundle.meta, model.precision
     if not hasattr(net, "attention_graph"):
         return "the model has no attention graph to differentiate"
     try:
@@ -357,10 +357,8 @@ def probe_relevance(bundle: ModelBundle, precision: str) -> str | None:
             ids = torch.zeros(1, 4, dtype=torch.long)
             mask = torch.ones(1, 4, dtype=torch.bool)
             inputs = (ids, mask)
-        query = "mean" if getattr(net.config, "pool", "cls") == "mean" else "cls"
-        grid = getattr(net.config, "grid_size", None)
         with torch.inference_mode(), inference_precision(net, precision):  # type: ignore[arg-type]
-            ex = explain(net, inputs, None, mask, tuple(grid) if grid else None, query)
+            ex = explain(net, inputs, None, mask, model.grid, model.query)  # type: ignore[arg-type]
         if not bool(torch.isfinite(ex.relevance.float()).all()):
             return "the relevance pass gives non-finite values"
     except Exception as e:  # noqa: BLE001 (any failure means: no relevance for this model)

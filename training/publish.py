@@ -100,15 +100,9 @@ def _rehearse_once(run: _Run) -> None:
     with tempfile.TemporaryDirectory(prefix="vit-service-rehearsal-") as tmp:
         out = Path(tmp)
         if run.recipe.pretraining:
-            try:
-                n = run.recipe.mae.samples if run.recipe.mae is not None else 0
-                run.task.pretrain_report(model, out, n)
-            except Exception:  # measured only: the real one logs its own failure
-                log.debug("rehearsed reconstruction picture failed", exc_info=True)
-            meta = BundleMeta(task=run.task.kind,  # type: ignore[arg-type]
-                              model_config=run.model_config, class_names=[],
-                              preprocess=run.task.bundle_preprocess(), extra={})
-            bundle = save_bundle(out / "bundle", encoder_of(model), meta, run.task.tokenizer)
+            _reconstruction_report(run, model, out)
+            bundle = save_bundle(out / "bundle", encoder_of(model),
+                                 _encoder_meta(run, None, None), run.task.tokenizer)
         else:
             _attention_report(run, model, out)
             k = run.task.num_classes
@@ -135,6 +129,32 @@ def _attention_report(run: _Run, model: nn.Module, out_dir: Path) -> Path | None
         return None
     finally:
         model.train(was_training)
+
+
+def _reconstruction_report(run: _Run, model: nn.Module, out_dir: Path) -> Path | None:
+    """Pretraining: the picture of what the model reconstructs; a failure is logged, never
+    fatal."""
+    try:
+        n = run.recipe.mae.samples if run.recipe.mae is not None else 0
+        return run.task.pretrain_report(model, out_dir, n)
+    except Exception:  # an artifact must not fail the run
+        log.exception("reconstruction picture failed")
+        return None
+
+
+def _encoder_meta(run: _Run, res: LossResult | None, run_id: str | None) -> BundleMeta:
+    r = run.recipe
+    spec = r.mae if r.mae is not None else r.mlm
+    return BundleMeta(
+        task=run.task.kind,  # type: ignore[arg-type]
+        model_config=run.model_config, class_names=[],
+        preprocess=run.task.bundle_preprocess(),
+        extra={"recipe": r.to_dict(), "objective": r.objective,
+               "pretrain": spec.model_dump(mode="json") if spec else {},
+               "val_loss": res.loss if res else None, "run_id": run_id,
+               "run_name": run.run_name, "step": run.step, "ema": run.ema is not None,
+               "lineage": run.lineage.to_dict()},
+    )
 
 
 def _classifier_meta(run: _Run, res: EvalResult | None, served: EvalResult | None,
@@ -181,25 +201,9 @@ def publish_encoder(run: _Run, run_id: str | None, model: nn.Module, res: LossRe
     """Pretraining (mae/mlm): the reconstruction picture, and a bundle of the encoder
     alone (headless ViT / text encoder + tokenizer) registered without a champion."""
     r = run.recipe
-    picture = None
-    try:
-        n = r.mae.samples if r.mae is not None else 0
-        picture = run.task.pretrain_report(model, art_dir, n)
-    except Exception:  # an artifact must not fail the run
-        log.exception("reconstruction picture failed")
-    spec = r.mae if r.mae is not None else r.mlm
-    meta = BundleMeta(
-        task=run.task.kind,  # type: ignore[arg-type]
-        model_config=run.model_config, class_names=[],
-        preprocess=run.task.bundle_preprocess(),
-        extra={"recipe": r.to_dict(), "objective": r.objective,
-               "pretrain": spec.model_dump(mode="json") if spec else {},
-               "val_loss": res.loss, "run_id": run_id, "run_name": run.run_name,
-               "step": run.step, "ema": run.ema is not None,
-               "lineage": run.lineage.to_dict()},
-    )
-    bundle_dir = save_bundle(run.run_dir / "bundle", encoder_of(model), meta,
-                             run.task.tokenizer)
+    picture = _reconstruction_report(run, model, art_dir)
+    bundle_dir = save_bundle(run.run_dir / "bundle", encoder_of(model),
+                             _encoder_meta(run, res, run_id), run.task.tokenizer)
     if run.mlrun is None:
         return None
     if picture is not None:

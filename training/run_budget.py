@@ -70,11 +70,22 @@ class BudgetedRun:
         return eval_s + (eval_s * self.dist.world_size if records_bf16_val(self) else 0.0)
 
     def _budget_probe(self) -> None:
-        """Time one validation batch to estimate what an evaluation costs (the plan keeps room
-        for the intermediate ones and the last one)."""
+        """Size what the plan keeps free at the end: time one validation batch to estimate
+        what an evaluation costs (the plan keeps room for the intermediate ones and the last
+        one; a resumed run measured it before) and rehearse publishing."""
         assert self.budget is not None
-        if self.budget.eval_s > 0:
-            return  # resumed: measured before
+        if self.budget.eval_s <= 0 and not self._measure_eval():
+            return  # no validation data: nothing to size
+        publish_s = self._rehearse_publish()
+        self.budget.keep_for_end(self._final_eval_s(self.budget.eval_s), publish_s,
+                                 BUDGET_MARGIN)
+        log.info("budget %.1f min: one evaluation ~%.1fs, publishing ~%.1fs, %.1fs kept for "
+                 "the end", self.budget.budget_s / 60, self.budget.eval_s, publish_s,
+                 self.budget.reserve_s)
+
+    def _measure_eval(self) -> bool:
+        """``budget.eval_s`` from one timed validation batch; False without validation data."""
+        assert self.budget is not None
         t0 = time.perf_counter()
         bs = self.recipe.eval_batch_size
         model = self.eval_model()
@@ -88,16 +99,11 @@ class BudgetedRun:
                 n = int(batch.labels.shape[0])
                 break
             else:
-                return
+                return False
         self._set_train_mode()
         per_example = (time.perf_counter() - t0) / max(1, n)
         self.budget.eval_s = per_example * self.task.n_val / max(1, self.dist.world_size)
-        publish_s = self._rehearse_publish()
-        self.budget.keep_for_end(self._final_eval_s(self.budget.eval_s), publish_s,
-                                 BUDGET_MARGIN)
-        log.info("budget %.1f min: one evaluation ~%.1fs, publishing ~%.1fs, %.1fs kept for "
-                 "the end", self.budget.budget_s / 60, self.budget.eval_s, publish_s,
-                 self.budget.reserve_s)
+        return True
 
     def _rehearse_publish(self) -> float:
         """Seconds publishing will take (rank 0 publishes; every rank follows its plan)."""

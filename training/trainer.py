@@ -236,8 +236,10 @@ class _Run(BudgetedRun, CheckpointedRun):
         if recipe.budget_minutes is not None:
             self.budget = BudgetPlanner(
                 recipe.budget_minutes * 60.0, started_at or time.monotonic(),
-                reserve_s=PUBLISH_RESERVE_S + BUDGET_MARGIN * recipe.budget_minutes * 60,
+                reserve_s=0.0,
                 stages=self.resolution.stages if self.resolution is not None else None)
+            # a guess until _budget_probe measures the end (training/run_budget.py)
+            self.budget.keep_for_end(0.0, PUBLISH_RESERVE_S, BUDGET_MARGIN)
         self._budget_logged = False
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.last_eval: EvalResult | LossResult | None = None

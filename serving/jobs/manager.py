@@ -170,7 +170,7 @@ class JobManager:
         if not 1 <= nprocs <= self.settings.jobs_max_procs:
             raise JobError(422, f"nprocs must be between 1 and {self.settings.jobs_max_procs}")
         overrides = self._check_paths(overrides)
-        self._check_caps(overrides, nprocs)
+        self._check_caps(overrides)
         self.validate(recipe, overrides)
         if self.validate is _default_validate:  # a real recipe: its model can be counted
             self._check_model_size(recipe, overrides)
@@ -424,8 +424,8 @@ class JobManager:
 
     def _check_paths(self, overrides: dict[str, Any]) -> dict[str, Any]:
         """Every path the overrides name (the recipe's path fields, and any key that looks like
-        one, nested or dotted) must stay inside the data or home roots once resolved: ``~``
-        is not expanded (it names a literal folder), a relative path is the data folder's, and
+        one, nested or dotted) must stay inside the data or home roots once resolved: ``~`` is
+        refused (the trainer would expand it), a relative path is the data folder's, and
         symlinks are followed. Returns the overrides with each such path replaced by its
         resolved absolute form, which is what the trainer gets."""
         roots = [self.settings.data_dir.resolve(), self.settings.home.resolve()]
@@ -453,10 +453,10 @@ class JobManager:
             _set(out, key, str(p))
         return out
 
-    def _check_caps(self, overrides: dict[str, Any], nprocs: int) -> None:
-        """Sizes a job may ask for through the API (settings ``jobs_max_*``): 422 past them."""
+    def _check_caps(self, overrides: dict[str, Any]) -> None:
+        """Sizes a job may ask for through the API (settings ``jobs_max_*``): 422 past them
+        (``nprocs`` is capped by :meth:`submit` itself)."""
         s = self.settings
-        del nprocs  # capped by submit itself
         flat_caps = _flatten(overrides)
         caps = {"epochs": s.jobs_max_epochs, "batch_size": s.jobs_max_batch_size,
                 "eval_batch_size": s.jobs_max_batch_size, "threads": s.jobs_max_threads,
@@ -472,7 +472,7 @@ class JobManager:
                                 f"limit of {s.jobs_max_budget_minutes}")
 
     def _check_model_size(self, recipe: str, overrides: dict[str, Any]) -> None:
-        """The model the job would build, counted on the meta device (nothing allocated):
+        """The model the job would build, estimated from its config (nothing is built):
         422 past ``jobs_max_params``, whatever combination of overrides got it there."""
         from training.recipes import load_recipe
         from vit_service.models import get_config

@@ -143,14 +143,16 @@ def _break_relevance(model) -> None:
     model.attention_graph = attention_graph  # an instance attribute: this model only
 
 
-def test_a_model_that_cannot_give_relevance_is_probed_at_load(registry) -> None:
+def test_a_model_that_cannot_give_relevance_is_probed_at_load(make_client, registry) -> None:
     from serving.model_store import probe_relevance
-    from vit_service.bundle import load_bundle
 
-    bundle = load_bundle(registry.local_bundle)
-    assert probe_relevance(bundle, "fp32") is None and probe_relevance(bundle, "bf16") is None
-    _break_relevance(bundle.model)
-    reason = probe_relevance(bundle, "bf16")
+    models = {"local-vit": str(registry.local_bundle)}
+    fp32, bf16 = (make_client(models, inference_precision=p).app.state.store.get("local-vit")
+                  for p in ("fp32", "bf16"))
+    assert fp32.precision == "fp32" and bf16.precision == "bf16"
+    assert probe_relevance(fp32) is None and probe_relevance(bf16) is None
+    _break_relevance(bf16.bundle.model)
+    reason = probe_relevance(bf16)
     assert reason is not None and "bf16" in reason and "_Broken" in reason
 
 

@@ -31,6 +31,18 @@ def _settings(tmp_path: Path, address: str, **kw) -> Settings:
                     ray_address=address, ray_timeout_s=5, **kw)
 
 
+def _follow(mgr: RayJobManager, job_id: str, timeout_s: float):
+    """Tick the manager until the job has finished (or ``timeout_s`` passed); the job."""
+    deadline = time.monotonic() + timeout_s
+    job = mgr.get(job_id)
+    while time.monotonic() < deadline and not job.state.finished:
+        mgr.tick()
+        job = mgr.get(job_id)
+        if not job.state.finished:
+            time.sleep(0.5)
+    return job
+
+
 def test_the_executor_setting_picks_the_manager(tmp_path: Path) -> None:
     assert type(create_job_manager(Settings(home=tmp_path))).__name__ == "JobManager"
     assert isinstance(create_job_manager(_settings(tmp_path, _dead_address())), RayJobManager)
@@ -128,13 +140,7 @@ def test_a_two_process_job_runs_ddp_under_torchrun_on_ray(tmp_path: Path,
     assert mgr.settings.resolved_tracking_uri == uri
     job = mgr.submit("cifar10-smoke", {"epochs": 1, "threads": 1, "attention_samples": 0,
                                        "device": "cpu"}, nprocs=2)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        mgr.tick()
-        job = mgr.get(job.id)
-        if job.state.finished:
-            break
-        time.sleep(0.5)
+    job = _follow(mgr, job.id, 240)
     log = "\n".join(mgr.logs(job.id, tail=400))
     assert job.state == JobState.succeeded, f"{job.state}: {job.reason}\n{log[-3000:]}"
     assert "torch.distributed.run --standalone --nproc_per_node=2 -m vit_service.cli" in log
@@ -165,13 +171,7 @@ def test_a_node_that_cannot_import_the_project_fails_the_job_with_that_reason(
     assert subprocess.run([python, "-c", "import torch"], capture_output=True).returncode != 0
     mgr = RayJobManager(_settings(tmp_path, ray_head.address, ray_python=python))
     job = mgr.submit("cifar10-smoke", {"epochs": 1})
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        mgr.tick()
-        job = mgr.get(job.id)
-        if job.state.finished:
-            break
-        time.sleep(0.5)
+    job = _follow(mgr, job.id, 120)
     assert job.state == JobState.failed, job
     assert job.reason.startswith("pre-flight failed on the node: "), job.reason
     assert f"{python} on " in job.reason and "cannot import torch" in job.reason
