@@ -32,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from training.distributed import DistInfo, resolve_device  # noqa: E402
+from training.model_setup import build_task_model  # noqa: E402
 from training.optim import param_groups  # noqa: E402
 from training.recipes import load_recipe  # noqa: E402
 from training.step import train_step  # noqa: E402
@@ -64,7 +65,7 @@ class OursRunner:
             "device": device.type})
         self.task = ImageTask(recipe, DistInfo(device=device), None, dataset=ds)
         torch.manual_seed(0)
-        self.model = self.task.build_model().to(device).train()
+        self.model = build_task_model(recipe, self.task).to(device).train()
         self.opt = torch.optim.AdamW(param_groups(self.model, 0.05), lr=1e-3)
         self.amp = torch.bfloat16 if (device.type == "cuda" and args.amp) else None
         self.i = 0

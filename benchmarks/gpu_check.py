@@ -122,20 +122,20 @@ def train_flops_per_item(run: Any) -> dict[str, Any]:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    from training.objectives import pretrain_loss
     from training.step import soft_cross_entropy
 
-    task, dev = run.task, run.device
+    task, dev, amp = run.task, run.setup.device, run.setup.amp_dtype
     model = copy.deepcopy(run.model).train()
     devices = [torch.cuda.current_device()] if dev.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         batch = task.train_batch(0, 0)
         with FlopCounterMode(display=False) as counter:
-            with torch.autocast(dev.type, dtype=run.amp_dtype or torch.bfloat16,
-                                enabled=run.amp_dtype is not None):
+            with torch.autocast(dev.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
                 if task.objective == "classify":
                     loss = soft_cross_entropy(task.forward(model, batch), batch.targets)
                 else:
-                    loss = task.pretrain_loss(model, batch).float()
+                    loss = pretrain_loss(task, model, batch).float()
             loss.backward()
     total = float(counter.get_total_flops())
     items = max(1, int(batch.n_items))
@@ -221,7 +221,7 @@ class Check:
         if end and (not curve or curve[-1]["step"] != result.step) and (
                 result.val_acc is not None or result.val_loss is not None):
             # budget mode ends mid-epoch: the trainer's last evaluation is a curve point too
-            curve.append({"epoch": round(result.step / max(1, run.steps_per_epoch), 2),
+            curve.append({"epoch": round(result.step / max(1, run.setup.steps_per_epoch), 2),
                           "step": result.step, "t": round(t_end - t_start, 2),
                           "t_from_call": round(t_end - t_call, 2), "val_acc": result.val_acc,
                           "val_loss": result.val_loss, "final": True})  # t: after publishing
@@ -230,7 +230,7 @@ class Check:
         cuda = self.torch.cuda.is_available() and run.device.type == "cuda"
         out: dict[str, Any] = {
             "recipe": run.recipe.name, "status": result.status, "steps": result.step,
-            "epochs": round(result.step / max(1, run.steps_per_epoch), 2),
+            "epochs": round(result.step / max(1, run.setup.steps_per_epoch), 2),
             "batch_size": run.recipe.batch_size,
             "budget_minutes": run.recipe.budget_minutes,
             "n_train": run.task.n_train, "n_val": run.task.n_val,

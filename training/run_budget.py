@@ -1,8 +1,11 @@
 """Budget mode of a training run (``budget_minutes``): what to keep free at the end, what one
-evaluation costs, and re-sizing the schedule from the measured throughput.
+evaluation costs, re-sizing the schedule from the measured throughput, and the report of how
+the run kept its budget.
 
-A mixin of :class:`training.trainer._Run`: it reads the run's recipe, task, scheduler and
-resolution schedule and moves ``total_steps``; the arithmetic of the plan itself is
+:class:`BudgetController` is given everything it uses (the plan, the schedule it moves, the
+MLflow run it logs to) and is called by the training loop at fixed points: :meth:`probe`
+before the first step, :meth:`replan` after each update, :meth:`pause` / :meth:`resume` around
+epoch ends, :meth:`report` at the end. The arithmetic of the plan is
 :class:`training.optim.BudgetPlanner`'s.
 """
 
@@ -10,23 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-import torch
-
-from training.distributed import broadcast_object
-from vit_service.models.layers import attention_path
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from training.distributed import DistInfo
-    from training.optim import BudgetPlanner, LrSchedule
-    from training.progress import Progress
-    from training.recipes import Recipe
-    from training.reporting import MlflowRun
-    from training.resolution import ResolutionSchedule
-    from training.tasks import Task
+from training.distributed import DistInfo, broadcast_object
+from training.optim import BudgetPlanner, LrSchedule
+from training.reporting import MlflowRun
 
 log = logging.getLogger(__name__)
 
@@ -40,116 +31,114 @@ BUDGET_MARGIN = 0.01
 REGISTER_S = 0.3
 
 
-class BudgetedRun:
-    """The budget-mode steps of a run (see the module docstring)."""
+class BudgetController:
+    """Keeps a run inside ``planner.budget_s`` (see the module docstring)."""
 
-    recipe: Recipe
-    dist: DistInfo
-    task: Task
-    budget: BudgetPlanner | None
-    scheduler: LrSchedule
-    resolution: ResolutionSchedule | None
-    progress: Progress
-    mlrun: MlflowRun | None
-    step: int
-    steps_per_epoch: int
-    total_steps: int
-    _budget_logged: bool
+    def __init__(self, planner: BudgetPlanner, dist: DistInfo, mlrun: MlflowRun | None, *,
+                 batch_size: int, steps_per_epoch: int, eval_every: int,
+                 warmup_steps: Callable[[int], int] | None) -> None:
+        """``warmup_steps(total)``: the warm-up a schedule of ``total`` steps gets, when it
+        is a fraction of the run (re-sized with the first plan); None: fixed warm-up."""
+        self.planner, self.dist, self.mlrun = planner, dist, mlrun
+        self.batch_size, self.steps_per_epoch = batch_size, steps_per_epoch
+        self.steps_per_eval = steps_per_epoch * eval_every
+        self.warmup_steps = warmup_steps
+        self.planned_once = False
+        # a guess until probe() measures the end
+        planner.keep_for_end(0.0, PUBLISH_RESERVE_S, BUDGET_MARGIN)
 
-    if TYPE_CHECKING:  # the run's own
-        def eval_model(self) -> nn.Module: ...
-        def _set_train_mode(self) -> None: ...
-        def _warmup_steps(self, total_steps: int) -> int: ...
+    # ------------------------------------------------------------------ before the first step
 
-    def _final_eval_s(self, eval_s: float) -> float:
-        """The validation passes at the end: the fp32 one, and the bf16 one as served
-        (training/publish.py), which runs on rank 0 over every rank's rows and is faster than
-        the fp32 one, so one more eval_s per rank bounds it."""
-        from training.publish import records_bf16_val
-
-        return eval_s + (eval_s * self.dist.world_size if records_bf16_val(self) else 0.0)
-
-    def _budget_probe(self) -> None:
-        """Size what the plan keeps free at the end: time one validation batch to estimate
-        what an evaluation costs (the plan keeps room for the intermediate ones and the last
-        one; a resumed run measured it before) and rehearse publishing."""
-        assert self.budget is not None
-        if self.budget.eval_s <= 0 and not self._measure_eval():
-            return  # no validation data: nothing to size
-        publish_s = self._rehearse_publish()
-        self.budget.keep_for_end(self._final_eval_s(self.budget.eval_s), publish_s,
-                                 BUDGET_MARGIN)
-        log.info("budget %.1f min: one evaluation ~%.1fs, publishing ~%.1fs, %.1fs kept for "
-                 "the end", self.budget.budget_s / 60, self.budget.eval_s, publish_s,
-                 self.budget.reserve_s)
-
-    def _measure_eval(self) -> bool:
-        """``budget.eval_s`` from one timed validation batch; False without validation data."""
-        assert self.budget is not None
-        t0 = time.perf_counter()
-        bs = self.recipe.eval_batch_size
-        model = self.eval_model()
-        with torch.no_grad(), attention_path(model, fused=True):
-            for batch in self.task.val_batches(bs):
-                if self.recipe.pretraining:
-                    self.task.pretrain_loss(model, batch)
-                else:  # as evaluate() runs it: eval mode (all patches, flip TTA), fused
-                    model.eval()
-                    self.task.forward(model, batch)
-                n = int(batch.labels.shape[0])
-                break
-            else:
-                return False
-        self._set_train_mode()
-        per_example = (time.perf_counter() - t0) / max(1, n)
-        self.budget.eval_s = per_example * self.task.n_val / max(1, self.dist.world_size)
-        return True
-
-    def _rehearse_publish(self) -> float:
-        """Seconds publishing will take (rank 0 publishes; every rank follows its plan)."""
-        from training.publish import rehearse_publish
-
+    def probe(self, measure_eval: Callable[[], float | None], final_passes: float,
+              rehearse_publish: Callable[[], float], with_mlflow: bool) -> None:
+        """Size what the plan keeps free at the end: ``measure_eval()`` estimates the seconds
+        of one validation pass (None: no validation data, nothing to size; a resumed run
+        measured it before), ``final_passes`` is how many such passes the end runs, and
+        ``rehearse_publish()`` times publishing (rank 0; every rank follows its plan)."""
+        b = self.planner
+        if b.eval_s <= 0:
+            eval_s = measure_eval()
+            if eval_s is None:
+                return
+            b.eval_s = eval_s
         publish_s = 0.0
         if self.dist.is_main:
             try:
-                publish_s = rehearse_publish(self) + (REGISTER_S if self.mlrun else 0.0)
+                publish_s = rehearse_publish() + (REGISTER_S if with_mlflow else 0.0)
             except Exception:  # the plan falls back to the default; the run goes on
                 log.warning("could not rehearse publishing: keeping %.0fs for it",
                             PUBLISH_RESERVE_S, exc_info=True)
                 publish_s = PUBLISH_RESERVE_S
-        return float(broadcast_object(publish_s, self.dist)) if self.dist.enabled else publish_s
+        if self.dist.enabled:
+            publish_s = float(broadcast_object(publish_s, self.dist))
+        b.keep_for_end(b.eval_s * final_passes, publish_s, BUDGET_MARGIN)
+        log.info("budget %.1f min: one evaluation ~%.1fs, publishing ~%.1fs, %.1fs kept for "
+                 "the end", b.budget_s / 60, b.eval_s, publish_s, b.reserve_s)
 
-    def _budget_replan(self) -> None:
-        assert self.budget is not None
-        spe = self.steps_per_epoch
-        stage = self.resolution.stage if self.resolution is not None else 0
-        planned = self.budget.observe(self.step, steps_per_eval=spe * self.recipe.eval_every,
-                                      stage=stage)
+    # ------------------------------------------------------------------ while training
+
+    def replan(self, step: int, stage: int, scheduler: LrSchedule) -> int | None:
+        """After update ``step``: the planner's new length of the run, applied to
+        ``scheduler``; None when it did not re-plan."""
+        planned = self.planner.observe(step, steps_per_eval=self.steps_per_eval, stage=stage)
         if planned is None:
-            return
+            return None
         # every rank follows rank 0's plan (their clocks and rates differ slightly)
         planned = int(broadcast_object(planned, self.dist)) if self.dist.enabled else planned
-        first, self._budget_logged = not self._budget_logged, True
-        if first and self.recipe.optim.warmup_fraction is not None:
-            self.scheduler.warmup_steps = max(self.step + 1, min(
-                self._warmup_steps(planned), planned - 1))
+        first, self.planned_once = not self.planned_once, True
+        if first and self.warmup_steps is not None:
+            scheduler.warmup_steps = max(step + 1, min(self.warmup_steps(planned), planned - 1))
         # a plan that cuts the run at the update just made (which ran at the lr of the older,
         # longer plan) gets one more update, at the final lr; a run already at its end stops
-        self.scheduler.set_total_steps(max(planned, min(self.step + 1, self.total_steps)))
-        self.total_steps = self.scheduler.total_steps
-        self.progress.total_steps = self.total_steps
+        scheduler.set_total_steps(max(planned, min(step + 1, scheduler.total_steps)))
+        total = scheduler.total_steps
         if first:
-            fp = self.budget.first_plan or {}
-            log.info("budget: %.2f steps/s measured -> %d steps (%.1f epochs)",
-                     fp.get("steps_per_s", 0.0), self.total_steps, self.total_steps / spe)
-            if self.mlrun is not None:
-                self.mlrun.log_params({
-                    "budget.measured_steps_per_s": round(fp.get("steps_per_s", 0.0), 4),
-                    "budget.measured_items_per_s": round(
-                        fp.get("steps_per_s", 0.0) * self.recipe.batch_size, 1),
-                    "budget.first_planned_steps": self.total_steps,
-                    "budget.reserve_s": round(self.budget.reserve_s, 1),
-                    "budget.publish_s": round(self.budget.publish_s, 2)})
+            self._log_first_plan(total)
         if self.mlrun is not None:
-            self.mlrun.log_metrics({"budget/planned_steps": self.total_steps,
-                                    "budget/steps_per_s": self.budget.rate or 0.0}, self.step)
+            self.mlrun.log_metrics({"budget/planned_steps": total,
+                                    "budget/steps_per_s": self.planner.rate or 0.0}, step)
+        return total
+
+    def _log_first_plan(self, total: int) -> None:
+        fp = self.planner.first_plan or {}
+        rate = fp.get("steps_per_s", 0.0)
+        log.info("budget: %.2f steps/s measured -> %d steps (%.1f epochs)", rate, total,
+                 total / self.steps_per_epoch)
+        if self.mlrun is not None:
+            self.mlrun.log_params({
+                "budget.measured_steps_per_s": round(rate, 4),
+                "budget.measured_items_per_s": round(rate * self.batch_size, 1),
+                "budget.first_planned_steps": total,
+                "budget.reserve_s": round(self.planner.reserve_s, 1),
+                "budget.publish_s": round(self.planner.publish_s, 2)})
+
+    def pause(self) -> None:
+        """Evaluation and checkpointing are not training time (the plan keeps room for them)."""
+        self.planner.pause()
+
+    def resume(self, eval_s: float | None = None) -> None:
+        """Back to training; ``eval_s``: what the evaluation just made took, for the plan."""
+        if eval_s is not None:
+            self.planner.eval_s = eval_s
+        self.planner.resume()
+
+    # ------------------------------------------------------------------ at the end
+
+    def report(self, step: int, status: str, end_s: float) -> None:
+        """How the run kept its budget, in the log and in MLflow; a run that ended early says
+        why (``budget_underrun_reason``). ``status``: how the loop ended (``stopped by
+        max_steps``, ``interrupted``...); ``end_s``: what the end took."""
+        b = self.planner
+        wall = time.monotonic() - b.start
+        log.info("budget: %d steps in %.1fs of a %.0fs budget (%+.1f%%); the end took %.1fs "
+                 "(%.1fs kept for it)", step, wall, b.budget_s, 100 * (wall / b.budget_s - 1),
+                 end_s, b.final_eval_s + b.publish_s)
+        reason = b.underrun_reason(wall, status, end_s)
+        if reason is not None:
+            log.warning("budget underrun: %s", reason)
+        if self.mlrun is not None:
+            self.mlrun.log_metrics({"budget/wall_s": wall, "budget/steps": step,
+                                    "budget/epochs": step / self.steps_per_epoch,
+                                    "budget/end_s": end_s}, step)
+            if reason is not None:
+                self.mlrun.log_params({"budget_underrun_reason": reason})

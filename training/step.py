@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from training.objectives import pretrain_loss
 from training.recipes import Recipe
 from training.tasks import Batch, Task
 from vit_service.hardware import cpu_has_native_bf16
@@ -87,7 +88,7 @@ def train_step(
         if task.objective == "classify":
             logits = task.forward(train_model, batch)
         else:
-            loss = task.pretrain_loss(train_model, batch).float()
+            loss = pretrain_loss(task, train_model, batch).float()
     if logits is not None:
         assert batch.targets is not None
         loss = soft_cross_entropy(logits, batch.targets)

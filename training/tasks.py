@@ -1,10 +1,12 @@
-"""Task adapters: the data side of training, one class per input kind.
+"""Task adapters: the data side of training (the splits on the device, batches,
+augmentation), one class per input kind.
 
 Both keep the whole (train, val) data as tensors on the training device (uint8 images
 ``(N, 3, H, W)`` or int32 token ids ``(N, max_len)``), cut batches by indexing with a per-epoch
 permutation, and augment on the device. The trainer only sees :class:`Batch` objects and calls
-``task.forward(model, batch)`` (classification) or ``task.pretrain_loss(model, batch)`` (the
-``mae`` and ``mlm`` objectives, whose models return their own loss).
+``task.forward(model, batch)`` (classification) or :func:`training.objectives.pretrain_loss`.
+The model is built by :mod:`training.model_setup`, the published pictures by
+:mod:`training.artifacts`.
 
 Batches: every rank draws the same permutation of the train part for an epoch (seeded by the
 recipe seed and the epoch number, independent of any other RNG), splits it into
@@ -15,9 +17,7 @@ slice of each global batch - what a ``DistributedSampler`` does, without a ``Dat
 from __future__ import annotations
 
 import hashlib
-import html
 import logging
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +30,6 @@ from torch import Tensor, nn
 
 from training.augment import CutMix, ImageAugment, normalize, smooth_one_hot, token_dropout
 from training.distributed import DistInfo
-from training.evaluate import LossResult
 from training.recipes import Recipe
 from vit_service.bundle import CIFAR10_MEAN, CIFAR10_STD
 from vit_service.data import (
@@ -40,14 +39,11 @@ from vit_service.data import (
     load_imdb,
     split_indices,
 )
-from vit_service.data import cache as data_cache
+from vit_service.data.tokenized import tokenize_splits, tokenized_cache_dir
 from vit_service.data.tokenizer import TextTokenizer
-from vit_service.models import ModelConfig, build_model, get_config
 
 log = logging.getLogger(__name__)
 
-TOKENIZED_VERSION = "1"
-VAL_MASK_SEED = 20_240_501  # val masks (MAE patches, MLM tokens) are the same every epoch
 
 
 @dataclass
@@ -115,32 +111,6 @@ class Task:
     def forward(self, model: nn.Module, batch: Batch) -> Tensor:
         return model(*batch.inputs)
 
-    def encoder_config(self, num_classes: int) -> ModelConfig:
-        m = self.recipe.model
-        return get_config(m.name, pos_encoding=m.pos_encoding, num_classes=num_classes,
-                          **self.model_fields(), **m.overrides)
-
-    def build_model(self) -> nn.Module:
-        """The classifier, or for ``mae`` / ``mlm`` the pretraining model around a headless
-        encoder (``model.encoder``)."""
-        r = self.recipe
-        if r.objective == "mae":
-            from vit_service.models.mae import MAE, MAEConfig
-
-            assert r.mae is not None
-            a, vit = r.mae, self.encoder_config(0)
-            return MAE(MAEConfig(encoder=vit, mask_ratio=a.mask_ratio,  # type: ignore[arg-type]
-                                 decoder_dim=a.decoder_dim, decoder_depth=a.decoder_depth,
-                                 decoder_heads=a.decoder_heads, norm_pix_loss=a.norm_pix_loss))
-        if r.objective == "mlm":
-            from vit_service.models.mlm import MLM, MLMConfig
-
-            assert r.mlm is not None
-            b, text = r.mlm, self.encoder_config(0)
-            return MLM(MLMConfig(encoder=text, mask_prob=b.mask_prob,  # type: ignore[arg-type]
-                                 replace_mask=b.replace_mask, replace_random=b.replace_random))
-        return build_model(self.encoder_config(self.num_classes))
-
     def model_fields(self) -> dict[str, Any]:
         return {}
 
@@ -155,45 +125,11 @@ class Task:
     def _val_parts(self) -> Iterator[bytes]:
         raise NotImplementedError
 
-    # pretraining objectives (mae / mlm)
-    def pretrain_loss(self, model: nn.Module, batch: Batch,
-                      generator: torch.Generator | None = None) -> Tensor:
-        """The pretraining model's own loss on ``batch`` (scalar)."""
-        raise NotImplementedError
-
-    @torch.no_grad()
-    def pretrain_eval(self, model: nn.Module, batch_size: int,
-                      reduce: Any = None) -> LossResult:
-        """Mean pretraining loss over the validation part, with fixed masks (same every
-        epoch) so epochs compare; ``reduce`` sums ``(loss * n, n)`` across DDP ranks."""
-        was_training = model.training
-        model.eval()
-        g = torch.Generator(device=self.device).manual_seed(VAL_MASK_SEED + self.dist.rank)
-        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for batch in self.val_batches(batch_size):
-            loss = self.pretrain_loss(model, batch, g)
-            n = batch.labels.shape[0]
-            stats[0] += loss.double() * n
-            stats[1] += n
-        if reduce is not None:
-            stats = reduce(stats)
-        model.train(was_training)
-        n = max(1, int(stats[1]))
-        return LossResult(loss=float(stats[0]) / n, n=n)
-
-    def pretrain_report(self, model: nn.Module, out_dir: Path, n: int) -> Path | None:
-        """A picture of what the pretraining model does on ``n`` validation examples."""
-        return None
-
     def bundle_preprocess(self) -> dict[str, Any]:
         raise NotImplementedError
 
     @property
     def tokenizer(self) -> TextTokenizer | None:
-        return None
-
-    def attention_report(self, model: nn.Module, out_dir: Path, n: int) -> Path | None:
-        """Render attention for ``n`` validation examples into ``out_dir``; return the file."""
         return None
 
 
@@ -250,39 +186,6 @@ class ImageTask(Task):
         x, targets = self.mix(x, self.train_y[idx])
         return Batch((x,), self.train_y[idx], targets, n_items=int(idx.numel()))
 
-    def pretrain_loss(self, model: nn.Module, batch: Batch,
-                      generator: torch.Generator | None = None) -> Tensor:
-        loss, _, _ = model(*batch.inputs, generator=generator)  # MAE: (loss, pred, mask)
-        return loss
-
-    @torch.no_grad()
-    def pretrain_report(self, model: nn.Module, out_dir: Path, n: int) -> Path | None:
-        """MAE: original / masked input / reconstruction of ``n`` validation images (PNG)."""
-        from training.reporting import mae_reconstruction_sheet
-
-        if self.objective != "mae" or n <= 0:
-            return None
-        was_training = model.training
-        model.eval()
-        rows = torch.linspace(0, self.n_val - 1, min(n, self.n_val)).long().to(self.device)
-        raw = self.val_x[rows]  # (n, 3, H, W) uint8
-        x = normalize(raw, self.augment.mean, self.augment.std)
-        g = torch.Generator(device=self.device).manual_seed(VAL_MASK_SEED)
-        loss, pred, mask = model(x, generator=g)  # pred (n, N, p*p*3), mask (n, N) 1 = hidden
-        rec = model.reconstruct(x, pred, mask)  # (n, 3, H, W) normalised, visible pasted
-        model.train(was_training)
-        mean = self.augment.mean.view(1, 3, 1, 1)
-        std = self.augment.std.view(1, 3, 1, 1)
-        rec_u8 = ((rec * std + mean) * 255).clamp(0, 255).round().to(torch.uint8)
-        p = model.config.encoder.patch_size
-        pix_mask = mask.view(-1, 1, *model.config.encoder.grid_size)  # (n, 1, Gh, Gw)
-        pix_mask = pix_mask.repeat_interleave(p, 2).repeat_interleave(p, 3).bool()
-        masked = torch.where(pix_mask, torch.full_like(raw, 127), raw)  # grey hidden patches
-        to_np = lambda t: t.permute(0, 2, 3, 1).cpu().numpy()  # noqa: E731 (n, H, W, 3)
-        return mae_reconstruction_sheet(to_np(raw), to_np(masked), to_np(rec_u8),
-                                        float(loss), model.config.mask_ratio,
-                                        out_dir / "mae_reconstructions.png")
-
     def val_batches(self, batch_size: int, all_ranks: bool = False) -> Iterator[Batch]:
         rows = np.arange(self.n_val) if all_ranks else self._val_shard()
         for start in range(0, len(rows), batch_size):
@@ -298,32 +201,8 @@ class ImageTask(Task):
         return {"image_size": self.recipe.data.image_size, "mean": list(CIFAR10_MEAN),
                 "std": list(CIFAR10_STD)}
 
-    @torch.no_grad()
-    def attention_report(self, model: nn.Module, out_dir: Path, n: int) -> Path | None:
-        from training.reporting import image_attention_sheet
-
-        if n <= 0 or not hasattr(model, "forward_with_attention"):
-            return None
-        rows = torch.linspace(0, self.n_val - 1, min(n, self.n_val)).long().to(self.device)
-        raw = self.val_x[rows]  # (n, 3, H, W) uint8
-        logits, attn = model.forward_with_attention(normalize(raw, self.augment.mean,
-                                                              self.augment.std))
-        probs = logits.float().softmax(-1)
-        return image_attention_sheet(
-            raw.permute(0, 2, 3, 1).cpu().numpy(), attn.float().cpu(), model.config.grid_size,
-            model.config.pool,
-            self.val_y[rows].tolist(), probs.cpu(), self.class_names,
-            out_dir / "attention_rollout.png",
-        )
-
 
 # ----------------------------------------------------------------------------------- text
-
-
-def _tokenized_cache_dir(cache_dir: str | Path | None, source: str, params: dict) -> Path:
-    fp = data_cache.fingerprint(source) if source and Path(source).exists() else {"s": source}
-    key = data_cache.cache_key(fp, version=TOKENIZED_VERSION, params=params)
-    return data_cache.resolve_cache_dir(cache_dir) / "tokenized" / f"imdb-{key}"
 
 
 class TextTask(Task):
@@ -360,34 +239,12 @@ class TextTask(Task):
             params["unsup"] = len(unsup_texts)
         if tokenizer is not None:
             params["tokenizer"] = hashlib.sha1(tokenizer.to_str().encode()).hexdigest()
-        cdir = _tokenized_cache_dir(cache_dir, ds.source, params)
-        arrays = data_cache.load_npz(cdir / "arrays.npz")
-        if arrays is not None and (cdir / "tokenizer.json").is_file():
-            self._tokenizer = tokenizer or TextTokenizer.load(cdir / "tokenizer.json")
-            log.info("imdb: tokenized arrays from cache %s", cdir)
-        else:
-            t0 = time.perf_counter()
-            train_texts = [ds.texts[i] for i in train_idx] + unsup_texts
-            if tokenizer is not None:
-                self._tokenizer = tokenizer
-                log.info("imdb: using the given tokenizer (vocab %d)", tokenizer.vocab_size)
-            else:
-                self._tokenizer = TextTokenizer.train(train_texts, vocab_size=d.vocab_size)
-            t1 = time.perf_counter()
-            tr_ids, tr_len = self._tokenizer.encode_to_arrays(train_texts, d.max_len,
-                                                              truncation=d.truncation)
-            va_ids, va_len = self._tokenizer.encode_to_arrays(self.val_texts, d.max_len,
-                                                              truncation=d.truncation)
-            arrays = {"train_ids": tr_ids, "train_len": tr_len, "val_ids": va_ids,
-                      "val_len": va_len}
-            log.info("imdb: tokenizer (vocab %d) ready in %.1fs, %d reviews encoded in %.1fs",
-                     self._tokenizer.vocab_size, t1 - t0, len(train_texts) + len(val_idx),
-                     time.perf_counter() - t1)
-            if dist.is_main:
-                cdir.mkdir(parents=True, exist_ok=True)
-                self._tokenizer.save(cdir / "tokenizer.json")
-                data_cache.save_npz(cdir / "arrays.npz", arrays)
-                data_cache.save_json(cdir / "params.json", params)
+        tok = tokenize_splits(
+            tokenized_cache_dir(cache_dir, ds.source, params),
+            lambda: [ds.texts[i] for i in train_idx] + unsup_texts, self.val_texts,
+            vocab_size=d.vocab_size, max_len=d.max_len, truncation=d.truncation,
+            tokenizer=tokenizer, write=dist.is_main, params=params)
+        self._tokenizer, arrays = tok.tokenizer, tok.arrays
         self.train_ids = torch.from_numpy(arrays["train_ids"]).to(self.device)  # (N, L) int32
         self.train_len = torch.from_numpy(arrays["train_len"])  # (N,) on CPU: trims batches
         self.train_y = torch.from_numpy(train_labels).to(self.device)  # -1: unlabelled
@@ -437,7 +294,7 @@ class TextTask(Task):
         dev_idx = idx.to(self.device)
         b = self._make_batch(self.train_ids[dev_idx], self.train_len[idx], self.train_y[dev_idx])
         if self.objective == "mlm":
-            return self._mlm_batch(b)
+            return self.mlm_batch(b)
         p = self.recipe.augment.token_dropout
         if p > 0:
             ids, mask = b.inputs
@@ -446,7 +303,7 @@ class TextTask(Task):
                                    self.recipe.optim.label_smoothing)
         return b
 
-    def _mlm_batch(self, b: Batch, generator: torch.Generator | None = None) -> Batch:
+    def mlm_batch(self, b: Batch, generator: torch.Generator | None = None) -> Batch:
         """Inputs ``(masked ids, attention mask, MLM labels)`` per the 80/10/10 rule."""
         from vit_service.data.tokenizer import SPECIAL_TOKENS
         from vit_service.models.mlm import mlm_mask
@@ -459,13 +316,6 @@ class TextTask(Task):
             special_ids=tuple(range(len(SPECIAL_TOKENS))), mask_prob=m.mask_prob,
             replace_mask=m.replace_mask, replace_random=m.replace_random, generator=generator)
         return Batch((inputs, attn, mlm_labels), b.labels, n_items=b.n_items)
-
-    def pretrain_loss(self, model: nn.Module, batch: Batch,
-                      generator: torch.Generator | None = None) -> Tensor:
-        if len(batch.inputs) == 2:  # a validation batch: mask it here (fixed generator)
-            batch = self._mlm_batch(batch, generator)
-        loss, _ = model(*batch.inputs)  # MLM: (loss, logits of the selected tokens)
-        return loss
 
     def val_batches(self, batch_size: int, all_ranks: bool = False) -> Iterator[Batch]:
         rows = np.arange(self.n_val) if all_ranks else self._val_shard()
@@ -482,40 +332,6 @@ class TextTask(Task):
 
     def bundle_preprocess(self) -> dict[str, Any]:
         return {"max_len": self.max_len, "truncation": self.recipe.data.truncation}
-
-    @torch.no_grad()
-    def attention_report(self, model: nn.Module, out_dir: Path, n: int) -> Path | None:
-        from vit_service.attention_maps import attention_rollout
-
-        if n <= 0:
-            return None
-        rows = np.linspace(0, self.n_val - 1, min(n, self.n_val)).astype(int).tolist()
-        enc = self._tokenizer.encode_batch([self.val_texts[i] for i in rows], self.max_len,
-                                           self.recipe.data.truncation)
-        ids, mask = enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
-        logits, attn = model.forward_with_attention(ids, mask)
-        probs = logits.float().softmax(-1).cpu()
-        maps = attention_rollout(attn.float(), attention_mask=mask,  # (n, T-1)
-                                 query=model.config.pool).cpu()
-        parts = ["<html><head><meta charset='utf-8'><title>attention rollout</title></head>",
-                 "<body style='font-family:sans-serif;max-width:60em'>",
-                 "<h2>[CLS] attention rollout on validation reviews</h2>"]
-        for j, i in enumerate(rows):
-            true = self.class_names[int(self.val_y[i])]
-            pred = int(probs[j].argmax())
-            parts.append(f"<h4>review {i}: true <b>{true}</b>, predicted "
-                         f"<b>{self.class_names[pred]}</b> ({float(probs[j, pred]):.2f})</h4><p>")
-            w = maps[j]
-            top = float(w.max()) or 1.0
-            for t, tok in enumerate(enc.pieces[j][1:]):
-                a = float(w[t]) / top
-                parts.append(f"<span style='background:rgba(255,80,0,{a:.3f})'>"
-                             f"{html.escape(tok)}</span> ")
-            parts.append("</p>")
-        parts.append("</body></html>")
-        path = out_dir / "attention_rollout.html"
-        path.write_text("\n".join(parts), encoding="utf-8")
-        return path
 
 
 def build_task(recipe: Recipe, dist: DistInfo, data_dir: str | Path | None,

@@ -20,6 +20,7 @@ from tests.training.conftest import QUIET, REPO, mlflow_client, progress_events
 from training.checkpoint import load_checkpoint
 from training.distributed import DistInfo
 from training.evaluate import evaluate_batches
+from training.model_setup import build_task_model
 from training.optim import build_optimizer
 from training.progress import Progress
 from training.recipes import load_recipe
@@ -48,7 +49,7 @@ def _setup(case: str, data_dir: Path) -> tuple[Any, Any, torch.nn.Module]:
     recipe = load_recipe(name, {"device": "cpu", **overrides})
     task = build_task(recipe, CPU, data_dir, data_dir.parent / "cache")
     torch.manual_seed(0)
-    return recipe, task, task.build_model()
+    return recipe, task, build_task_model(recipe, task)
 
 
 def _optimizer(recipe: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -100,9 +101,9 @@ def test_whole_run_with_bf16_autocast_on_cpu(name: str, tmp_path: Path, data_dir
     run = prepare_run(load_recipe(name, {"device": "cpu", "epochs": 1, "attention_samples": 0}),
                       data_dir=data_dir, settings=settings, mlflow_enabled=False,
                       register=False, progress=Progress(json_lines=True, stream=io.StringIO()))
-    run.amp_dtype = BF16
+    run.setup.amp_dtype = BF16
     res = run.run()
-    assert res.status == "finished" and res.step == run.steps_per_epoch
+    assert res.status == "finished" and res.step == run.setup.steps_per_epoch
     assert res.val_loss is not None and 0 < res.val_loss < 20
     assert res.val_acc is None if run.recipe.pretraining else 0 <= res.val_acc <= 1
     assert (res.run_dir / "bundle" / "weights.pt").is_file()
@@ -115,8 +116,8 @@ def test_the_trainer_takes_fused_adamw_on_the_cpu_too(tmp_path: Path, data_dir: 
     run = prepare_run(load_recipe("cifar10-smoke", {"device": "cpu", "attention_samples": 0}),
                       data_dir=data_dir, settings=settings, mlflow_enabled=False,
                       register=False, progress=Progress(json_lines=True, stream=io.StringIO()))
-    assert run.optimizer.defaults["fused"] is True
-    assert run.optimizer.defaults["foreach"] is not True
+    assert run.parts.optimizer.defaults["fused"] is True
+    assert run.parts.optimizer.defaults["foreach"] is not True
 
 
 def _step_losses(stream: io.StringIO) -> list[float]:

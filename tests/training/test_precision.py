@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import training.trainer
+import training.validation
 from serving.compiled import trace_forwards
 from training.evaluate import evaluate_batches
 from training.progress import Progress
@@ -110,19 +110,19 @@ def test_cpu_bf16_run_validates_what_the_fp32_bundle_answers(
                                            "attention_samples": 0, "optim.ema_decay": 0.9})
     run = prepare_run(recipe, data_dir=data_dir, settings=settings, mlflow_enabled=False,
                       register=False, progress=Progress(json_lines=True, stream=io.StringIO()))
-    assert (run.amp_dtype, run.eval_amp_dtype) == (BF16, None)
-    assert run.ema is not None
-    for model in (run.model, run.ema.module):
+    assert (run.setup.amp_dtype, run.setup.eval_amp_dtype) == (BF16, None)
+    assert run.parts.ema is not None
+    for model in (run.model, run.parts.ema.module):
         attns = [m for m in model.modules() if isinstance(m, Attention)]
         assert attns and not any(m.fused_attn for m in attns)
     evaluated = []
-    real_evaluate = training.trainer.evaluate_batches
+    real_evaluate = training.validation.evaluate_batches
 
     def spy(model: torch.nn.Module, *args: object, **kwargs: object) -> object:
         evaluated.append([m.fused_attn for m in model.modules() if isinstance(m, Attention)])
         return real_evaluate(model, *args, **kwargs)
 
-    monkeypatch.setattr("training.trainer.evaluate_batches", spy)
+    monkeypatch.setattr("training.validation.evaluate_batches", spy)
     res = run.run()
     assert res.status == "finished" and res.val_acc is not None
     assert evaluated and all(all(flags) for flags in evaluated)  # validation ran fused
@@ -187,7 +187,7 @@ def test_val_precision_served_runs_the_intermediate_passes_as_served(
     if stop == "max_steps":  # the second epoch's end: its pass is the run's last
         probe = prepare_run(load_recipe("cifar10-smoke", overrides), data_dir=data_dir,
                             settings=settings, mlflow_enabled=False, register=False)
-        overrides["max_steps"] = 2 * probe.steps_per_epoch
+        overrides["max_steps"] = 2 * probe.setup.steps_per_epoch
     run = prepare_run(load_recipe("cifar10-smoke", overrides), data_dir=data_dir,
                       settings=settings, mlflow_enabled=False, register=False,
                       progress=Progress(json_lines=True, stream=io.StringIO()))

@@ -162,10 +162,10 @@ def test_frozen_encoder_linear_probe_trains_only_the_head(mae_run: dict) -> None
     before = {k: v.clone() for k, v in run.model.state_dict().items()}
     trainable = {n for n, p in run.model.named_parameters() if p.requires_grad}
     assert trainable == {"head.weight", "head.bias"}
-    in_optim = {id(p) for g in run.optimizer.param_groups for p in g["params"]}
+    in_optim = {id(p) for g in run.parts.optimizer.param_groups for p in g["params"]}
     assert in_optim == {id(run.model.head.weight), id(run.model.head.bias)}
     names = {id(p): n for n, p in run.model.named_parameters()}
-    for g in run.optimizer.param_groups:  # weight decay on the head weight only
+    for g in run.parts.optimizer.param_groups:  # weight decay on the head weight only
         in_group = {names[id(p)] for p in g["params"]}
         assert g["weight_decay"] == (0.05 if in_group == {"head.weight"} else 0.0)
     res = run.run()

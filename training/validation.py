@@ -1,0 +1,97 @@
+"""How a run validates: the passes for the curve, the last (fp32) one it reports, the pass as
+the server answers on this CPU, and a quick estimate of what one pass costs (budget mode).
+
+:class:`Validator` is given what it needs (recipe, task, device, precision) and takes the
+model to evaluate as an argument: it holds no training state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from training.distributed import DistInfo, all_reduce_sum
+from training.evaluate import EvalResult, LossResult, evaluate_batches, evaluate_in_precision
+from training.objectives import pretrain_eval, pretrain_loss
+from training.recipes import Recipe
+from training.tasks import Task
+from vit_service.models.layers import attention_path
+from vit_service.precision import autocast_dtype, resolve_precision
+
+log = logging.getLogger(__name__)
+
+
+class Validator:
+    """The validation passes of one run."""
+
+    def __init__(self, recipe: Recipe, task: Task, dist: DistInfo,
+                 eval_amp_dtype: torch.dtype | None) -> None:
+        """``eval_amp_dtype``: the autocast dtype of the fp32-path passes (None: fp32; bf16
+        only where the training step is bf16 on a GPU)."""
+        self.recipe, self.task, self.dist = recipe, task, dist
+        self.eval_amp_dtype = eval_amp_dtype
+
+    @property
+    def records_bf16_val(self) -> bool:
+        """Whether the end measures the validation accuracy as served in bf16: a classifier
+        trained on a CPU with native bf16, where the server answers in bf16 by default."""
+        return (not self.recipe.pretraining
+                and resolve_precision("auto", self.dist.device) == "bf16")
+
+    def run(self, model: nn.Module, final: bool = True) -> EvalResult | LossResult:
+        """A pass over this rank's share of the split, summed over the ranks. ``final=False``
+        (an intermediate pass, for the curve) runs in the served precision when the recipe
+        says ``val_precision: served``."""
+        r, dev = self.recipe, self.dist.device
+        reduce = (lambda t: all_reduce_sum(t, self.dist)) if self.dist.enabled else None
+        if r.pretraining:
+            with torch.autocast(dev.type, dtype=self.eval_amp_dtype or torch.bfloat16,
+                                enabled=self.eval_amp_dtype is not None):
+                return pretrain_eval(self.task, model, r.eval_batch_size, reduce)
+        served = (resolve_precision("auto", dev)
+                  if not final and r.val_precision == "served" else "fp32")
+        # fp32: no weights needed, fused; served bf16: autocast on the explicit path, as
+        # served (vit_service.precision)
+        fused = served == "fp32"
+        dtype = self.eval_amp_dtype if fused else autocast_dtype(served)
+        with attention_path(model, fused=fused):
+            return evaluate_batches(model, self.task.val_batches(r.eval_batch_size),
+                                    self.task.forward, self.task.class_names, dev, dtype,
+                                    reduce)
+
+    def served(self, model: nn.Module, fp32_acc: float | None) -> EvalResult | None:
+        """The whole split once more (call on rank 0), as the server runs the model on this
+        CPU by default (bf16 autocast, explicit attention), so that the bundle and MLflow
+        carry the accuracy it answers with (``val_acc_bf16``); None elsewhere."""
+        if not self.records_bf16_val:
+            return None
+        t = time.perf_counter()
+        res = evaluate_in_precision(model, self.task.val_batches(self.recipe.eval_batch_size,
+                                                                 all_ranks=True),
+                                    self.task.forward, self.task.class_names,
+                                    self.dist.device, "bf16")
+        log.info("validation as served in bf16: val_acc %.4f (fp32 %.4f), %.1fs", res.acc,
+                 fp32_acc if fp32_acc is not None else float("nan"), time.perf_counter() - t)
+        return res
+
+    def time_one_pass(self, model: nn.Module) -> float | None:
+        """Seconds of one pass on this rank, estimated from one timed batch run as
+        :meth:`run` runs it (eval mode: all patches, flip TTA; fused); None without
+        validation data. Leaves ``model`` in eval mode."""
+        t0 = time.perf_counter()
+        with torch.no_grad(), attention_path(model, fused=True):
+            for batch in self.task.val_batches(self.recipe.eval_batch_size):
+                if self.recipe.pretraining:
+                    pretrain_loss(self.task, model, batch)
+                else:
+                    model.eval()
+                    self.task.forward(model, batch)
+                n = int(batch.labels.shape[0])
+                break
+            else:
+                return None
+        per_example = (time.perf_counter() - t0) / max(1, n)
+        return per_example * self.task.n_val / max(1, self.dist.world_size)
