@@ -1,0 +1,366 @@
+"""The recipe schema: nested pydantic models, ``extra="forbid"`` everywhere.
+
+A :class:`Recipe` says everything a run needs (objective, model preset and overrides, initial
+weights, data, optimiser, augmentation, schedule, device, registration) and checks that its parts
+fit together. Reading YAML files and applying ``--set`` overrides is ``training.recipes``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vit_service.models import get_config, list_models
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(_Strict):
+    name: str = Field(description="preset name, see `vit_service.models.list_models()`")
+    pos_encoding: Literal["learned", "sinusoidal", "none"] = Field(
+        description="positional encoding; explicit in every recipe (an ablation knob)"
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="other preset fields to replace (depth, drop_rate...)"
+    )
+
+    @model_validator(mode="after")
+    def _check_preset(self) -> ModelSpec:
+        if self.name not in list_models():
+            raise ValueError(f"unknown model {self.name!r}; available: {', '.join(list_models())}")
+        fixed = {"pos_encoding", "num_classes", "vocab_size", "pad_id"} & set(self.overrides)
+        if fixed:
+            raise ValueError(f"model.overrides may not set {sorted(fixed)} (set by recipe/data)")
+        try:
+            get_config(self.name, pos_encoding=self.pos_encoding, **self.overrides)
+        except (TypeError, ValueError) as e:
+            raise ValueError(str(e)) from None
+        return self
+
+
+class DataSpec(_Strict):
+    dataset: Literal["cifar10", "imagefolder", "imdb"]
+    path: str | None = Field(
+        None, description="imagefolder: the tree (or a tar of it) - `<class>/<image>` folders"
+    )
+    val_size: int = Field(ge=1, description="held-out examples carved (stratified) from train")
+    split_seed: int = Field(0, description="seed of the train/val split (keep fixed to compare)")
+    subset: int | None = Field(None, ge=1, description="train on N (stratified) train rows")
+    image_size: int = Field(32, ge=8)
+    vocab_size: int | None = Field(None, ge=64, description="text: subword vocabulary size")
+    max_len: int | None = Field(None, ge=8, description="text: tokens per review incl. [CLS]")
+    length_buckets: bool = Field(True, description="text: batch reviews of similar length")
+    truncation: Literal["head", "head_tail"] = Field(
+        "head", description="text: keep the first max_len tokens, or the first quarter and the "
+        "last three quarters of them (saved with the model: serving truncates the same way)")
+    include_unsup: bool = Field(
+        False, description="imdb + objective mlm: also pretrain on the 50,000 unlabelled reviews"
+    )
+
+    @model_validator(mode="after")
+    def _check_text_fields(self) -> DataSpec:
+        if self.dataset == "imdb" and (self.vocab_size is None or self.max_len is None):
+            raise ValueError("imdb needs data.vocab_size and data.max_len")
+        if (self.dataset == "imagefolder") != (self.path is not None):
+            raise ValueError("data.path is required for (and only for) dataset imagefolder")
+        if self.include_unsup and self.dataset != "imdb":
+            raise ValueError("data.include_unsup is for dataset imdb")
+        return self
+
+
+class OptimSpec(_Strict):
+    lr: float = Field(gt=0, description="peak learning rate (for the global batch)")
+    min_lr: float = Field(0.0, ge=0, description="the lr of the last update (decay floor)")
+    schedule: Literal["cosine", "linear"] = Field(
+        "cosine", description="decay after warm-up, to min_lr at the last update; linear decay "
+        "to zero is best under a fixed time budget (Li et al. 2020)")
+    weight_decay: float = Field(0.05, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    warmup_epochs: float | None = Field(None, ge=0)
+    warmup_steps: int | None = Field(None, ge=0)
+    warmup_fraction: float | None = Field(
+        None, ge=0, lt=1, description="warm-up as a share of all updates (with budget_minutes: "
+        "of the planned ones)")
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    grad_clip: float | None = Field(None, gt=0, description="max global grad norm; null = off")
+    ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of weights; null = off")
+    layer_decay: float | None = Field(
+        None, gt=0, le=1, description="layer-wise lr decay: block i of L gets lr * "
+        "decay^(L - i), embeddings decay^(L + 1), head/norm lr; null = off"
+    )
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> OptimSpec:
+        if sum(w is not None for w in (self.warmup_epochs, self.warmup_steps,
+                                       self.warmup_fraction)) > 1:
+            raise ValueError("set one of warmup_epochs, warmup_steps, warmup_fraction")
+        return self
+
+
+class AugmentSpec(_Strict):
+    crop_padding: int = Field(0, ge=0, description="random crop after zero padding; 0 = off")
+    hflip: bool = False
+    cutmix_prob: float = Field(0.0, ge=0, le=1, description="per-batch probability of CutMix")
+    cutmix_alpha: float = Field(1.0, gt=0)
+    mixup_alpha: float = Field(0.0, ge=0, description="Mixup on batches without CutMix; 0 = off")
+    randaugment_ops: int = Field(0, ge=0, description="RandAugment ops per image; 0 = off")
+    randaugment_magnitude: int = Field(9, ge=0, le=30)
+    token_dropout: float = Field(
+        0.0, ge=0, lt=1, description="text, training only: each real token after [CLS] is "
+        "hidden from attention and pooling with this probability (word dropout)")
+    resolution_schedule: list[tuple[float, int]] = Field(
+        default_factory=list, description="images, training only: [[until, size], ...]: the "
+        "steps before fraction `until` of the run see `size`-px images (downsampled after "
+        "augmentation; a smaller patch grid), full size after (progressive resizing); "
+        "`until` increasing in (0, 1)")
+
+    @model_validator(mode="after")
+    def _check_resolution_schedule(self) -> AugmentSpec:
+        ends = [u for u, _ in self.resolution_schedule]
+        if any(not 0 < u < 1 for u in ends) or ends != sorted(set(ends)):
+            raise ValueError("augment.resolution_schedule: `until` fractions must increase "
+                             f"strictly inside (0, 1), got {ends}")
+        return self
+
+
+class InitSpec(_Strict):
+    """Where the weights come from before training (all null: from scratch)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    from_: str | None = Field(
+        None, alias="from", description="runs:/<run id>, a bare run id, models:/name@alias, "
+        "models:/name/<version>, a checkpoint file (.pt) or a bundle folder/its weights.pt"
+    )
+    timm: str | None = Field(None, description="timm model name whose weights to load (ViT)")
+    timm_file: str | None = Field(
+        None, description="local weights file for init.timm (offline); null = the hub"
+    )
+    whiten_patches: bool = Field(
+        False, description="from scratch, ViT: the first conv's filters = PCA whitening of "
+        "training patches")
+    mimetic: bool = Field(
+        False, description="from scratch: mimetic attention init (W_q W_k^T ~ I, W_v W_o ~ -I)")
+
+    @model_validator(mode="after")
+    def _check(self) -> InitSpec:
+        if self.from_ is not None and self.timm is not None:
+            raise ValueError("set init.from or init.timm, not both")
+        if self.timm_file is not None and self.timm is None:
+            raise ValueError("init.timm_file needs init.timm (the model name)")
+        if self.from_ is not None:
+            check_init_source(self.from_)
+        if self.enabled and (self.whiten_patches or self.mimetic):
+            raise ValueError("init.whiten_patches and init.mimetic are for training from "
+                             "scratch, not with init.from / init.timm")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.from_ is not None or self.timm is not None
+
+
+def check_init_source(spec: str) -> None:
+    """Syntax of ``init.from`` (existence is checked when the run starts)."""
+    s = spec.strip()
+    if not s:
+        raise ValueError("init.from is empty")
+    if s.startswith("models:/"):
+        body = s.removeprefix("models:/")
+        name, sep, rest = body.partition("@") if "@" in body else body.partition("/")
+        if not name or not sep or not rest or "/" in rest:
+            raise ValueError(f"init.from {s!r}: expected models:/<name>@<alias> or "
+                             "models:/<name>/<version>")
+    elif s.startswith("runs:/"):
+        if not s.removeprefix("runs:/").split("/", 1)[0]:
+            raise ValueError(f"init.from {s!r}: expected runs:/<run id>[/model]")
+    elif "://" in s:
+        raise ValueError(f"init.from {s!r}: only runs:/, models:/, run ids and local paths")
+
+
+class MAESpec(_Strict):
+    """Masked-autoencoder pretraining (objective ``mae``)."""
+
+    mask_ratio: float = Field(0.75, gt=0, lt=1, description="fraction of patches hidden")
+    decoder_dim: int = Field(128, ge=8, description="decoder width (divisible by 4 and heads)")
+    decoder_depth: int = Field(2, ge=1)
+    decoder_heads: int = Field(4, ge=1)
+    norm_pix_loss: bool = Field(True, description="per-patch normalised pixel targets")
+    samples: int = Field(8, ge=0, description="val images in the reconstruction picture")
+
+    @model_validator(mode="after")
+    def _check(self) -> MAESpec:
+        if self.decoder_dim % 4 or self.decoder_dim % self.decoder_heads:
+            raise ValueError("mae.decoder_dim must divide by 4 and by mae.decoder_heads")
+        return self
+
+
+class MLMSpec(_Strict):
+    """Masked-language-model pretraining (objective ``mlm``)."""
+
+    mask_prob: float = Field(0.15, gt=0, lt=1, description="fraction of real tokens predicted")
+    replace_mask: float = Field(0.8, ge=0, le=1, description="of those: replaced by [MASK]")
+    replace_random: float = Field(0.1, ge=0, le=1, description="of those: a random token")
+
+    @model_validator(mode="after")
+    def _check(self) -> MLMSpec:
+        if self.replace_mask + self.replace_random > 1:
+            raise ValueError("mlm.replace_mask + mlm.replace_random must be <= 1")
+        return self
+
+
+PRETRAIN_REGISTRY = {"mae": "cifar10-mae", "mlm": "imdb-mlm"}
+
+
+class Recipe(_Strict):
+    name: str = Field(description="recipe name (file stem)")
+    description: str = ""
+    objective: Literal["classify", "mae", "mlm"] = Field(
+        "classify", description="classify (labels), mae (masked images), mlm (masked tokens)"
+    )
+    model: ModelSpec
+    init: InitSpec = Field(default_factory=InitSpec)
+    freeze_encoder: bool = Field(False, description="linear probe: only the head trains")
+    mae: MAESpec | None = Field(None, description="objective mae only")
+    mlm: MLMSpec | None = Field(None, description="objective mlm only")
+    data: DataSpec
+    optim: OptimSpec
+    augment: AugmentSpec = Field(default_factory=AugmentSpec)
+    epochs: int = Field(ge=1)
+    batch_size: int = Field(ge=1, description="global batch (split across DDP ranks)")
+    eval_batch_size: int = Field(512, ge=1)
+    seed: int = 0
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    amp: bool = Field(True, description="bf16 autocast on CUDA (training and evaluation)")
+    cpu_bf16: bool = Field(
+        False, description="bf16 autocast of the training step on a CPU that computes bf16 in "
+        "hardware (AVX-512 BF16 or AMX; elsewhere fp32, logged); validation stays fp32, as "
+        "served")
+    attention: Literal["auto", "fused", "explicit"] = Field(
+        "auto", description="attention path of the training forward: fused "
+        "(scaled_dot_product_attention) or explicit (softmax(q k^T) v); auto: explicit for a "
+        "bf16 step on the CPU (the CPU flash kernel's bf16 backward is slow), else fused; "
+        "evaluation always runs fused")
+    compile: bool = Field(False, description="torch.compile the training forward")
+    max_steps: int | None = Field(
+        None, ge=1, description="stop after N steps; the schedule still spans `epochs`"
+    )
+    budget_minutes: float | None = Field(
+        None, gt=0, le=7 * 24 * 60, description="wall-clock budget of the whole run (start-up, "
+        "evaluations and publishing included): the trainer measures its throughput and sizes "
+        "the schedule to end on time; `epochs` is then ignored")
+    log_every: int = Field(20, ge=1, description="steps between train metric logs")
+    attention_samples: int = Field(8, ge=0, description="val examples in the attention sheet")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (CPU)")
+    processes: int = Field(
+        1, ge=1, le=64, description="CPU: data-parallel training processes the command starts "
+        "itself (Gloo DDP, cores / N threads each unless `threads`; batch_size stays the global "
+        "batch). For many-core CPU hosts, where one process rarely uses every core; on 2 "
+        "cores the ranks wait for each other, so no recipe sets it (docs/training.md, 'One "
+        "process per core'). On CUDA use torchrun")
+    checkpoint_every: int = Field(
+        1, ge=1, description="epochs between checkpoints (also written on stop, signal, end)"
+    )
+    eval_every: int = Field(
+        1, ge=1, description="epochs between validation passes; the last one always runs (in a "
+        "budget each pass is training time lost: docs/training.md, 'Ablations')")
+    val_precision: Literal["fp32", "served"] = Field(
+        "fp32", description="precision of the intermediate validation passes (classifiers): "
+        "fp32, or served: as the server answers on this machine (bf16 autocast on the explicit "
+        "attention path on a CPU with native bf16, cheaper than an fp32 pass; fp32 elsewhere). "
+        "The last pass is always fp32, the served-precision accuracy recorded beside it "
+        "(val_acc_bf16; docs/training.md, 'Ablations')")
+    register_as: Literal["cifar10-vit", "imdb-sentiment", "cifar10-mae", "imdb-mlm"] | None = None
+    # a folder name under the artifact root too: letters, digits, _ . - only (no ../..)
+    experiment: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+    @property
+    def task(self) -> Literal["image", "text"]:
+        return "text" if self.data.dataset == "imdb" else "image"
+
+    @property
+    def pretraining(self) -> bool:
+        return self.objective != "classify"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_objective_section(cls, data: Any) -> Any:
+        """``objective: mae`` without a ``mae:`` table gets the defaults (same for mlm)."""
+        if isinstance(data, dict) and data.get("objective") in ("mae", "mlm"):
+            key = data["objective"]
+            if data.get(key) is None:
+                data = {**data, key: {}}
+        return data
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Recipe:
+        is_vit = self.model.name in list_models("vit")
+        if is_vit != (self.task == "image"):
+            raise ValueError(f"model {self.model.name!r} does not fit dataset {self.data.dataset}")
+        obj = self.objective
+        if obj == "mae" and self.task != "image":
+            raise ValueError("objective mae needs a ViT and an image dataset")
+        if obj == "mlm" and self.data.dataset != "imdb":
+            raise ValueError("objective mlm needs a text model and dataset imdb")
+        for key in ("mae", "mlm"):
+            if getattr(self, key) is not None and obj != key:
+                raise ValueError(f"the {key}: section is only for objective {key}")
+        if self.data.include_unsup and obj != "mlm":
+            raise ValueError("data.include_unsup needs objective mlm (unsup reviews have no "
+                             "labels)")
+        if self.pretraining:
+            a = self.augment
+            if a.cutmix_prob or a.mixup_alpha or self.optim.label_smoothing:
+                raise ValueError(f"objective {obj} has no labels: set augment.cutmix_prob, "
+                                 "augment.mixup_alpha and optim.label_smoothing to 0")
+            if self.freeze_encoder:
+                raise ValueError("freeze_encoder is for objective classify (a linear probe)")
+            if self.init.timm is not None:
+                raise ValueError("init.timm is for objective classify")
+        if self.init.whiten_patches and not is_vit:
+            raise ValueError("init.whiten_patches needs a ViT")
+        if self.init.timm is not None and not is_vit:
+            raise ValueError("init.timm loads ViT weights: use a ViT model")
+        if obj == "mae" and self.mae is not None:
+            cfg = get_config(self.model.name, pos_encoding=self.model.pos_encoding,
+                             **self.model.overrides)
+            n = cfg.num_patches  # type: ignore[union-attr]
+            if not 0 < round(n * (1 - self.mae.mask_ratio)) < n:
+                raise ValueError(f"mae.mask_ratio {self.mae.mask_ratio} leaves no visible or "
+                                 f"no masked patch of {n}")
+        if self.augment.resolution_schedule:
+            self._check_resolution_schedule()
+        if obj == "classify":
+            expected = {"cifar10": "cifar10-vit", "imdb": "imdb-sentiment"}.get(
+                self.data.dataset)
+        else:
+            expected = PRETRAIN_REGISTRY[obj] if self.data.dataset != "imagefolder" else None
+        if self.register_as not in (None, expected):
+            raise ValueError(f"register_as must be {expected!r} or null for objective {obj} "
+                             f"on {self.data.dataset}" if expected else
+                             f"register_as must be null for objective {obj} on "
+                             f"{self.data.dataset} (fine-tune from its run: runs:/<id>)")
+        return self
+
+    def _check_resolution_schedule(self) -> None:
+        if self.task != "image" or self.objective != "classify" or self.init.timm is not None:
+            raise ValueError("augment.resolution_schedule is for image classification with "
+                             "this project's ViT (not mae, text or init.timm)")
+        cfg = get_config(self.model.name, pos_encoding=self.model.pos_encoding,
+                         **self.model.overrides)
+        p, full = cfg.patch_size, self.data.image_size  # type: ignore[union-attr]
+        for _, size in self.augment.resolution_schedule:
+            if not p <= size < full or size % p:
+                raise ValueError(f"augment.resolution_schedule size {size}: must be a multiple "
+                                 f"of the patch size {p} and below data.image_size {full}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
