@@ -8,7 +8,8 @@ on-disk cache (``cache_dir`` > ``$VIT_SERVICE_CACHE_DIR`` > ``~/.cache/vit-servi
 from vit_service.data.cache import resolve_cache_dir
 from vit_service.data.cifar import CIFAR10_CLASSES, load_cifar10
 from vit_service.data.errors import DataNotFoundError
-from vit_service.data.images import ImageDataset, load_image_folder, load_image_folder_train
+from vit_service.data.image_folder import load_image_folder, load_image_folder_train
+from vit_service.data.images import ImageDataset
 from vit_service.data.imdb import IMDB_URL, TextDataset, clean_review, load_imdb
 from vit_service.data.splits import (
     DEFAULT_VAL_IMAGES,

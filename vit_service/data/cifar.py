@@ -40,12 +40,14 @@ from vit_service.data.archive import (
     resolve_data_dir,
 )
 from vit_service.data.errors import CIFAR_HINT, DataNotFoundError
-from vit_service.data.images import (
-    ImageDataset,
+from vit_service.data.image_folder import (
     find_image_folder_roots,
-    fit_image,
     load_image_folder_archive,
     load_image_folder_dir,
+)
+from vit_service.data.images import (
+    ImageDataset,
+    fit_image,
     log_loaded,
     lookup_cached,
     store_cached,

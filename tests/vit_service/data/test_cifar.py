@@ -23,6 +23,7 @@ from vit_service.data import (
     resolve_cache_dir,
 )
 from vit_service.data import cifar as cifar_mod
+from vit_service.data import image_folder as image_folder_mod
 from vit_service.data import images as images_mod
 
 
@@ -197,7 +198,7 @@ def test_cache_hit_does_not_read_source(image_tree, cache_dir, monkeypatch) -> N
     assert not first.from_cache
     assert _listing(image_tree.archive.parent) == before  # nothing written next to the data
     assert any(cache_dir.rglob("*.npz"))
-    monkeypatch.setattr(images_mod, "iter_tar_files", _fail)
+    monkeypatch.setattr(image_folder_mod, "iter_tar_files", _fail)
     monkeypatch.setattr(images_mod, "decode_image", _fail)
     second = load_cifar10(image_tree.archive, cache_dir=cache_dir)
     assert second.from_cache
@@ -210,7 +211,7 @@ def test_cache_hit_for_folders(cifar_batches, image_tree, cache_dir, monkeypatch
     a = load_cifar10(cifar_batches.folder, cache_dir=cache_dir)
     b = load_cifar10(image_tree.root, cache_dir=cache_dir)
     monkeypatch.setattr(cifar_mod, "_decode_batches", _fail)
-    monkeypatch.setattr(images_mod, "_Decoder", _fail)
+    monkeypatch.setattr(image_folder_mod, "ImageDecoder", _fail)
     a2 = load_cifar10(cifar_batches.folder, cache_dir=cache_dir)
     b2 = load_cifar10(image_tree.root, cache_dir=cache_dir)
     assert a2.from_cache and b2.from_cache
