@@ -40,6 +40,7 @@ from training.step import freeze_encoder, seed_everything, training_precision, u
 from training.tasks import Task, build_task
 from vit_service.config import Settings
 from vit_service.data.tokenizer import TextTokenizer
+from vit_service.hardware import has_cxx_compiler
 from vit_service.models import config_to_dict
 from vit_service.models.layers import set_fused_attn
 
@@ -195,3 +196,23 @@ def build_run(recipe: Recipe, dist: DistInfo, settings: Settings, *,
         eval_amp_dtype=eval_amp_dtype, fused_attn=fused_attn, steps_per_epoch=steps_per_epoch,
         warmup_steps=warmup, run_name=run_name, run_dir=Path(settings.home) / "runs" / run_name,
         progress=progress, mlrun=mlrun, register=register, ckpt=ckpt, started_at=started_at)
+
+
+def train_module(model: nn.Module, dist: DistInfo, compile: bool, kind: str) -> nn.Module:
+    """The module the steps run: ``model``, wrapped in DDP and compiled as asked."""
+    train_model: nn.Module = model
+    if dist.enabled:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [dist.device.index] if dist.device.type == "cuda" else None
+        train_model = DDP(model, device_ids=ids)
+    if compile and dist.device.type == "cpu" and not has_cxx_compiler():
+        log.warning("compile: TorchInductor needs a C++ compiler on the CPU (g++, c++ or "
+                    "clang++; none on PATH): training eager")
+    elif compile:
+        # images: static shapes (a resolution schedule gets one graph per stage rather than
+        # a shape-generic one); text: the length buckets vary T, so dynamo's automatic
+        # dynamic shapes (one generic graph after the second length)
+        train_model = torch.compile(  # type: ignore[assignment]
+            train_model, dynamic=False if kind == "image" else None)
+    return train_model

@@ -37,12 +37,11 @@ from training.publish import Outcome, publish, rehearse_publish
 from training.recipes import Recipe, apply_overrides, validate_recipe
 from training.run_budget import BudgetController
 from training.run_state import RunState
-from training.setup import RunSetup, build_run
+from training.setup import RunSetup, build_run, train_module
 from training.signals import StopFlag
 from training.step import StepWindow, train_step
 from training.validation import Validator
 from vit_service.config import Settings, get_settings
-from vit_service.hardware import has_cxx_compiler
 from vit_service.models import count_parameters
 
 log = logging.getLogger(__name__)
@@ -63,14 +62,30 @@ class TrainResult:
     exit_code: int = 0
 
 
-def train(recipe: Recipe, **options: Any) -> TrainResult:
-    """Train ``recipe`` end to end (see the module docstring); ``options`` are
-    :func:`prepare_run`'s keywords. With ``resume`` (a checkpoint path, a run folder or
-    ``auto``) the checkpoint's recipe is used, with ``resume_overrides`` (execution settings:
-    ``max_steps``, ``device``, ``threads``...) applied; a run stopped by ``max_steps``
-    continues past it only with a new ``max_steps`` (``None``: to the end)."""
+def train(
+    recipe: Recipe,
+    *,
+    data_dir: str | Path | None = None,
+    run_name: str | None = None,
+    resume: str | Path | None = None,
+    resume_overrides: dict[str, Any] | None = None,
+    tracking_uri: str | None = None,
+    register: bool = True,
+    mlflow_enabled: bool = True,
+    settings: Settings | None = None,
+    progress: Progress | None = None,
+    started_at: float | None = None,
+) -> TrainResult:
+    """Train ``recipe`` end to end (see the module docstring and :func:`prepare_run`). With
+    ``resume`` (a checkpoint path, a run folder or ``auto``) the checkpoint's recipe is used,
+    with ``resume_overrides`` (execution settings: ``max_steps``, ``device``, ``threads``...)
+    applied; a run stopped by ``max_steps`` continues past it only with a new ``max_steps``
+    (``None``: to the end)."""
     try:
-        return prepare_run(recipe, **options).run()
+        return prepare_run(recipe, data_dir=data_dir, run_name=run_name, resume=resume,
+                           resume_overrides=resume_overrides, tracking_uri=tracking_uri,
+                           register=register, mlflow_enabled=mlflow_enabled, settings=settings,
+                           progress=progress, started_at=started_at).run()
     finally:
         cleanup()
 
@@ -257,7 +272,7 @@ class Trainer:
             self.stop.install()
             status = "finished"
             try:
-                status = self._loop(self._compiled(), run_id)
+                status = self._loop(self._train_module(), run_id)
             finally:
                 self.stop.restore()
             return self._finish(status, run_id)
@@ -266,29 +281,13 @@ class Trainer:
                 logging.getLogger().removeHandler(handler)
                 handler.close()
 
-    def _compiled(self) -> nn.Module:
-        """The module the steps run: the model, wrapped in DDP and compiled as asked."""
+    def _train_module(self) -> nn.Module:
         s, r = self.setup, self.setup.recipe
         log.info("model %s: %.2fM params; %d steps/epoch x %d epochs = %d steps; batch %d on "
                  "%s x%d%s", r.model.name, count_parameters(self.model) / 1e6,
                  s.steps_per_epoch, r.epochs, self.state.total_steps, r.batch_size, s.device,
                  s.dist.world_size, " (bf16)" if s.amp_dtype else "")
-        train_model: nn.Module = self.model
-        if s.dist.enabled:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            ids = [s.device.index] if s.device.type == "cuda" else None
-            train_model = DDP(self.model, device_ids=ids)
-        if r.compile and s.device.type == "cpu" and not has_cxx_compiler():
-            log.warning("compile: TorchInductor needs a C++ compiler on the CPU (g++, c++ or "
-                        "clang++; none on PATH): training eager")
-        elif r.compile:
-            # images: static shapes (a resolution schedule gets one graph per stage rather than
-            # a shape-generic one); text: the length buckets vary T, so dynamo's automatic
-            # dynamic shapes (one generic graph after the second length)
-            train_model = torch.compile(  # type: ignore[assignment]
-                train_model, dynamic=False if s.task.kind == "image" else None)
-        return train_model
+        return train_module(self.model, s.dist, r.compile, s.task.kind)
 
     def probe_budget(self) -> None:
         """Budget mode, before the first step: size what the plan keeps for the end."""

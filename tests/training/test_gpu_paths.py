@@ -160,15 +160,15 @@ def test_compile_without_a_cxx_compiler_trains_eager(
     machine without g++/clang++: a warning, then the eager step (dynamo never traces)."""
     from torch._dynamo.utils import counters
 
-    import training.trainer as trainer_mod
+    import training.setup as setup_mod
 
-    monkeypatch.setattr(trainer_mod, "has_cxx_compiler", lambda: False)
+    monkeypatch.setattr(setup_mod, "has_cxx_compiler", lambda: False)
     counters.clear()
     settings = Settings(home=tmp_path / "home", cache_dir=data_dir.parent / "cache")
     recipe = load_recipe("cifar10-smoke", {
         "device": "cpu", "compile": True, "max_steps": 2, "log_every": 1,
         "attention_samples": 0, "model.overrides": {"depth": 1}})
-    with caplog.at_level("WARNING", logger="training.trainer"):
+    with caplog.at_level("WARNING", logger="training.setup"):
         res = train(recipe, data_dir=data_dir, settings=settings, mlflow_enabled=False,
                     register=False, run_name="no-cxx", progress=Progress(stream=io.StringIO()))
     assert res.status == "stopped" and res.step == 2
