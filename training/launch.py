@@ -4,11 +4,9 @@ A CPU recipe can ask for ``processes: N``: the command re-runs itself as N ranks
 run (what ``torchrun --standalone --nproc_per_node N`` would do, without asking the user to know
 that), each with ``cores / N`` intra-op threads; ``batch_size`` stays the global batch.
 
-Measured on this project's 2-core CPU (docs/training.md, "One process per core"): for
-``vit_nano_convstem_32`` (bf16 step) two ranks of one thread trained at 634-753 img/s, one
-process of two threads at 648-709 img/s: no gain, the ranks idle ~19 % of the time in the
-per-step synchronisation. So no shipped recipe uses it; it is there for many-core CPU hosts,
-where one process rarely scales to every core.
+On a 2-core CPU two ranks gain nothing over one process of two threads (the ranks wait on
+each other at every step: docs/training.md, "One process per core"), so no shipped recipe
+uses it; it is there for many-core CPU hosts, where one process rarely scales to every core.
 
 What the launcher owes the user, tested in ``tests/training/test_launch.py``:
 

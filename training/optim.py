@@ -87,9 +87,8 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
                     fused: bool) -> torch.optim.AdamW:
     """AdamW over :func:`param_groups`; ``fused`` asks for the fused kernel and falls back to
     the default (foreach) implementation where this build or device has none. The trainer
-    asks for it on every device: on the CPU too it is one kernel over all the parameters
-    (``vit_nano_convstem_32``'s step: 1.3 ms against 6.6 ms for foreach, ~2.5 % of a
-    training step; docs/training.md)."""
+    asks for it on every device: on the CPU too it is one kernel over all the parameters,
+    several times faster than foreach (docs/benchmarks.md ledger)."""
     groups = param_groups(model, weight_decay, layer_decay)
     if fused:
         try:

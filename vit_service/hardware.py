@@ -1,8 +1,8 @@
 """What the CPU computes natively, read once: whether bf16 matmuls run in hardware.
 
 On a CPU with AVX-512 BF16 (``avx512_bf16``) or AMX (``amx_bf16``) oneDNN runs bf16 GEMMs
-~2.5x faster than fp32 (measured: 4224x128 @ 128x384, 122 -> 290-346 GFLOP/s on a 2-core
-AMD EPYC); elsewhere bf16 is emulated and slower than fp32, so callers fall back to fp32.
+faster than fp32 (docs/training.md, "CPU precision and attention path"); elsewhere bf16 is
+emulated and slower than fp32, so callers fall back to fp32.
 """
 
 from __future__ import annotations

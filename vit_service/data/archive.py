@@ -1,7 +1,7 @@
 """Source discovery shared by the loaders: the data-dir default, and tar archives streamed once.
 
 :func:`iter_tar_files` reads a (compressed) tar in one pass without extracting it; a small
-built-in ustar/GNU/pax reader does the common case ~10x faster than :mod:`tarfile`, which takes
+built-in ustar/GNU/pax reader does the common case much faster than :mod:`tarfile`, which takes
 over for anything it does not handle.
 """
 

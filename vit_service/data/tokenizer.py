@@ -52,7 +52,7 @@ def train_tokenizer(
     tok.normalizer = normalizers.Sequence(
         [normalizers.NFD(), normalizers.Lowercase(), normalizers.StripAccents()]
     )
-    # split on whitespace and between word characters and punctuation (\w+|[^\w\s]+); ~40%
+    # split on whitespace and between word characters and punctuation (\w+|[^\w\s]+):
     # cheaper than BertPreTokenizer, which isolates every punctuation character
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##")
