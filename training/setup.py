@@ -40,8 +40,8 @@ from training.step import freeze_encoder, seed_everything, training_precision, u
 from training.tasks import Task, build_task
 from vit_service.config import Settings
 from vit_service.data.tokenizer import TextTokenizer
-from vit_service.hardware import has_cxx_compiler
-from vit_service.models import config_to_dict
+from vit_service.hardware import has_cxx_compiler, machine_params
+from vit_service.models import config_to_dict, count_parameters
 from vit_service.models.layers import set_fused_attn
 
 log = logging.getLogger(__name__)
@@ -216,3 +216,16 @@ def train_module(model: nn.Module, dist: DistInfo, compile: bool, kind: str) -> 
         train_model = torch.compile(  # type: ignore[assignment]
             train_model, dynamic=False if kind == "image" else None)
     return train_model
+
+
+def run_params(s: RunSetup, total_steps: int) -> dict[str, Any]:
+    """The MLflow params of a run besides its recipe and model config: the data, the schedule,
+    the model's size, how it executes, and the machine it ran on."""
+    model = s.parts.model
+    return {"data.n_train": s.task.n_train, "data.n_val": s.task.n_val,
+            "train.steps_per_epoch": s.steps_per_epoch, "train.total_steps": total_steps,
+            "train.world_size": s.dist.world_size,
+            "model.n_params": count_parameters(model, trainable_only=False),
+            "model.n_trainable": count_parameters(model), "train.device": str(s.device),
+            "train.precision": "bf16" if s.amp_dtype else "fp32",
+            "train.attention": "fused" if s.fused_attn else "explicit", **machine_params()}

@@ -37,7 +37,7 @@ from training.publish import Outcome, publish, rehearse_publish
 from training.recipes import Recipe, apply_overrides, validate_recipe
 from training.run_budget import BudgetController
 from training.run_state import RunState
-from training.setup import RunSetup, build_run, train_module
+from training.setup import RunSetup, build_run, run_params, train_module
 from training.signals import StopFlag
 from training.step import StepWindow, train_step
 from training.validation import Validator
@@ -137,6 +137,7 @@ class Trainer:
         self.state = RunState(total_steps=setup.recipe.epochs * setup.steps_per_epoch)
         self.stop = StopFlag()
         self.validator = Validator(setup.recipe, setup.task, setup.dist, setup.eval_amp_dtype)
+        self._loop_start: tuple[float, int] | None = None  # (monotonic s, step) of the loop
         self.budget: BudgetController | None = None
         if self.parts.budget is not None:
             r = setup.recipe
@@ -224,15 +225,7 @@ class Trainer:
             run_id = s.mlrun.start(r, s.run_name, run_id, tags)
             if new:
                 s.mlrun.log_recipe(r, s.model_config, {
-                    "data.n_train": s.task.n_train, "data.n_val": s.task.n_val,
-                    "train.steps_per_epoch": s.steps_per_epoch,
-                    "train.total_steps": self.state.total_steps,
-                    "train.world_size": s.dist.world_size,
-                    "model.n_params": count_parameters(self.model, trainable_only=False),
-                    "model.n_trainable": count_parameters(self.model),
-                    "train.device": str(s.device),
-                    "train.precision": "bf16" if s.amp_dtype else "fp32",
-                    "train.attention": "fused" if s.fused_attn else "explicit",
+                    **run_params(s, self.state.total_steps),
                     # what the champion check compares: scores count only on the same split
                     s.mlrun.tracking.SPLIT_PARAM: s.task.val_fingerprint()})
                 if s.lineage.init != "scratch":
@@ -319,6 +312,7 @@ class Trainer:
                          run_name=s.run_name, run_dir=str(s.run_dir), epochs=r.epochs,
                          steps_per_epoch=s.steps_per_epoch)
         win = StepWindow(has_acc=not r.pretraining)
+        self._loop_start = (time.monotonic(), st.step)
         self._set_train_mode()
         if self.budget is not None:
             self.probe_budget()
@@ -430,6 +424,15 @@ class Trainer:
             version = publish(self._outcome(served), s.mlrun, run_id,
                               s.recipe.register_as if s.register else None)
         res = st.last_eval
+        if s.mlrun is not None and self._loop_start is not None:
+            # updates per second over the loop (evaluations and checkpoints included), so
+            # that runs on different machines compare (the machine.* params say which); a
+            # param only for a run that did not resume (MLflow params never change)
+            t0, step0 = self._loop_start
+            rate = round((st.step - step0) / max(1e-9, t_end - t0), 4)
+            s.mlrun.log_metrics({"train/steps_per_s": rate}, st.step)
+            if s.ckpt is None:
+                s.mlrun.log_params({"train.steps_per_s": rate})
         if self.budget is not None:
             stopped = s.recipe.max_steps is not None and st.step >= s.recipe.max_steps
             self.budget.report(st.step, "stopped by max_steps" if stopped else status,

@@ -40,3 +40,28 @@ def has_cxx_compiler() -> bool:
     """True when a C++ compiler is on ``PATH`` (``$CXX``, g++, c++ or clang++): TorchInductor
     compiles its CPU kernels with it, so ``torch.compile`` on the CPU needs one."""
     return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++"))
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The ``model name`` of the first processor in ``/proc/cpuinfo`` (else the platform's
+    processor string)."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        if platform.system() != "Linux" or not path.exists():
+            return platform.processor() or platform.machine()
+        cpuinfo = path.read_text(errors="replace")
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            return value.strip()
+    return platform.machine()
+
+
+def machine_params() -> dict[str, str | int | bool]:
+    """What a run's figures depend on besides the recipe, for MLflow: the CPU, whether it has
+    native bf16 (AVX-512 BF16) or AMX, and its core count, so that runs on different machines
+    can be compared."""
+    flags = cpu_flags()
+    return {"machine.cpu": cpu_model(), "machine.cpu_count": os.cpu_count() or 0,
+            "machine.avx512_bf16": "avx512_bf16" in flags, "machine.amx": "amx_bf16" in flags,
+            "machine.native_bf16": any(f in flags for f in BF16_FLAGS)}

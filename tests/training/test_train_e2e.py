@@ -19,6 +19,7 @@ from training.recipes import load_recipe
 from training.signals import EXIT_SIGTERM
 from training.trainer import train
 from vit_service.config import Settings
+from vit_service.hardware import cpu_has_native_bf16, cpu_model
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,10 @@ def test_image_cli_run_is_in_mlflow(image_run: dict) -> None:
     p = run.data.params
     assert p["recipe.optim.lr"] == "0.003" and p["recipe.model.pos_encoding"] == "learned"
     assert p["model.embed_dim"] == "32" and p["data.n_train"] == "400"
+    # the machine the figures came from, and the rate it trained at
+    assert p["machine.cpu"] == cpu_model() and int(p["machine.cpu_count"]) >= 1
+    assert p["machine.native_bf16"] == str(cpu_has_native_bf16())
+    assert float(p["train.steps_per_s"]) > 0
     m = run.data.metrics
     assert {"train/loss", "train/lr", "train/throughput", "train/data_time_frac", "val/loss",
             "val/acc", "val_acc", "val/class_acc/airplane"} <= set(m)
