@@ -222,40 +222,37 @@ class JobManager:
                                   started_at=None, attempts=job.attempts)
             raise
         except LaunchFailed as e:
-            self.store.transition(job.id, {JobState.running}, state=JobState.failed,
+            self.store.transition(claimed.id, {JobState.running}, state=JobState.failed,
                                   finished_at=utcnow(), reason=str(e))
             return
         # progress is read from here on; an earlier attempt's lines (before resuming) are skipped
-        self._offsets[job.id] = claimed.log_path.stat().st_size
+        self._offsets[claimed.id] = claimed.log_path.stat().st_size
         if self.executor.host_bound:
             fields |= {"host": self.host, "heartbeat_at": utcnow()}
-        self.store.update(job.id, **fields)
+        self.store.update(claimed.id, **fields)
 
     def _follow(self, job_id: str) -> None:
         """Poll one attempt, read its new progress, record how it ended if it did."""
-        outcome = self.executor.poll(self._get(job_id))
+        job = self._get(job_id)
+        outcome = self.executor.poll(job)
         if isinstance(outcome, NeverStarted):
             self._offsets.pop(job_id, None)
-            job = self._get(job_id)
             self.store.transition(job_id, {JobState.running}, state=JobState.queued,
                                   started_at=None, attempts=max(0, job.attempts - 1))
             return
         _, self._offsets[job_id] = read_progress(self.store, job_id,
                                                  self._offsets.get(job_id, 0))
-        if isinstance(outcome, Running):
-            if outcome.fields:
-                self.store.update(job_id, **outcome.fields)
-            return
-        self._offsets.pop(job_id, None)
-        job = self._get(job_id)
-        if isinstance(outcome, Vanished):
-            self._settle_from_log(job, outcome.why)
-            return
-        assert isinstance(outcome, Ended)
-        self.store.update(job_id, **outcome.fields, state=outcome.state,
-                          exit_code=outcome.exit_code, finished_at=utcnow(),
-                          reason=outcome.reason, pid=None)
-        log.info("job %s %s (exit %s)", job_id, outcome.state.value, outcome.exit_code)
+        match outcome:
+            case Running(fields=fields) if fields:
+                self.store.update(job_id, **fields)
+            case Vanished(why=why):
+                self._offsets.pop(job_id, None)
+                self._settle_from_log(self._get(job_id), why)
+            case Ended(state=state, reason=reason, exit_code=code, fields=fields):
+                self._offsets.pop(job_id, None)
+                self.store.update(job_id, **fields, state=state, exit_code=code,
+                                  finished_at=utcnow(), reason=reason, pid=None)
+                log.info("job %s %s (exit %s)", job_id, state.value, code)
 
     # --- leases of host-bound attempts ------------------------------------------------------------
     def _renew_leases(self) -> None:
