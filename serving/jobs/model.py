@@ -61,9 +61,9 @@ def _published_schema(schema: dict[str, Any]) -> None:
     schema["properties"]["progress"].pop("title", None)
 
 
-def _internal(default: Any = None, **kw: Any) -> Any:
+def _internal(default: Any = None) -> Any:
     """A column the API never answers."""
-    return Field(default, exclude=True, **kw)
+    return Field(default, exclude=True)
 
 
 # One job: a row of the job table, as the manager reads it and the API answers it (the fields
