@@ -9,7 +9,9 @@ follow a run::
     {"event": "epoch", "epoch": 0, "step": 88, "val_loss": 1.9, "val_acc": 0.31, ...}
     {"event": "end", "status": "finished"|"stopped"|"interrupted", "val_acc": ..., ...}
 
-Everything else (log messages) goes to stderr through ``logging``.
+Everything else (log messages) goes to stderr through ``logging``. The event kinds and the end
+statuses are :class:`Event` and :class:`RunStatus`, shared with the job runner that reads them
+(``serving.jobs``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,27 @@ import json
 import math
 import sys
 import time
+from enum import StrEnum
 from typing import IO, Any
+
+
+class Event(StrEnum):
+    """The ``event`` field of a progress line."""
+
+    start = "start"
+    step = "step"
+    epoch = "epoch"
+    end = "end"
+    # printed by the job runner's node check before the trainer starts (serving.jobs.commands)
+    preflight = "preflight"
+
+
+class RunStatus(StrEnum):
+    """How a run ended: the ``status`` of its ``end`` event."""
+
+    finished = "finished"  # every step done
+    stopped = "stopped"  # stopped early on purpose (a time budget, early stopping)
+    interrupted = "interrupted"  # a signal: resumable from the last checkpoint
 
 
 def _clean(v: Any) -> Any:
@@ -43,8 +65,8 @@ class Progress:
         self._t0 = time.perf_counter()
         self._step0 = 0
 
-    def _emit(self, event: str, **fields: Any) -> None:
-        rec = {"event": event, **{k: _clean(v) for k, v in fields.items()}}
+    def _emit(self, event: Event, **fields: Any) -> None:
+        rec = {"event": event.value, **{k: _clean(v) for k, v in fields.items()}}
         if self.run_id and "mlflow_run_id" not in rec:
             rec["mlflow_run_id"] = self.run_id
         self.stream.write(json.dumps(rec) + "\n")
@@ -57,7 +79,7 @@ class Progress:
         if not self.enabled:
             return
         if self.json:
-            self._emit("start", step=step, total_steps=total_steps, **info)
+            self._emit(Event.start, step=step, total_steps=total_steps, **info)
         else:
             from tqdm import tqdm
 
@@ -74,7 +96,7 @@ class Progress:
         if not self.enabled:
             return
         if self.json:
-            self._emit("step", epoch=epoch, step=step, total_steps=self.total_steps,
+            self._emit(Event.step, epoch=epoch, step=step, total_steps=self.total_steps,
                        eta_s=self.eta(step), **metrics)
         elif self.bar is not None:
             self.bar.n = step
@@ -89,17 +111,18 @@ class Progress:
         if not self.enabled:
             return
         if self.json:
-            self._emit("epoch", epoch=epoch, step=step, total_steps=self.total_steps, **metrics)
+            self._emit(Event.epoch, epoch=epoch, step=step, total_steps=self.total_steps, **metrics)
         elif self.bar is not None:
             self.bar.write(f"epoch {epoch}: " + "  ".join(
                 f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                 for k, v in metrics.items()))
 
-    def end(self, **info: Any) -> None:
+    def end(self, status: RunStatus | str, **info: Any) -> None:
         if not self.enabled:
             return
         if self.bar is not None:
             self.bar.close()
             self.bar = None
         if self.json:
-            self._emit("end", total_steps=self.total_steps, **info)
+            self._emit(Event.end, total_steps=self.total_steps, status=RunStatus(status).value,
+                       **info)

@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from training.progress import Event
+
 TRAIN_KEYS = ("loss", "lr", "acc", "grad_norm", "throughput")  # from "step" events
 VAL_KEYS = ("val_acc", "val_loss")  # from "epoch" and "end" events
 MAX_LOG_BYTES = 64 * 1024 * 1024  # never read more than this much of one log
@@ -59,18 +61,19 @@ def read_series(path: Path, max_points: int = 500) -> dict[str, Any]:
         kind, step = event.get("event"), event.get("step")
         if not isinstance(step, (int, float)):
             continue
-        if kind == "start":  # a (re)start from a checkpoint at `step`: later points are void
+        if kind == Event.start:  # a (re)start from a checkpoint at `step`: later points are void
             for points in series.values():
                 while points and points[-1][0] > step:
                     points.pop()
-        keys = TRAIN_KEYS if kind == "step" else VAL_KEYS if kind in ("epoch", "end") else ()
+        keys = (TRAIN_KEYS if kind == Event.step
+                else VAL_KEYS if kind in (Event.epoch, Event.end) else ())
         for k in keys:
             v = event.get(k)
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 _append(series.setdefault(k, []), step, float(v))
-        if kind == "step":
+        if kind == Event.step:
             last = {k: event.get(k) for k in ("eta_s", "step", "total_steps")}
-        elif kind == "end":
+        elif kind == Event.end:
             last = {"eta_s": 0.0, "step": step, "total_steps": event.get("total_steps")}
     total = sum(len(s) for s in series.values())
     out = {k: downsample(v, max_points) for k, v in series.items()}

@@ -1,4 +1,5 @@
-"""Training jobs on a Ray cluster, behind the same jobs API (``VIT_SERVICE_JOBS_EXECUTOR=ray``).
+"""Training jobs on a Ray cluster, behind the same jobs API (``VIT_SERVICE_JOBS_EXECUTOR=ray``):
+the :class:`RayExecutor` the job manager launches through.
 
 The SQL job table stays the source of truth; Ray runs the processes. Each attempt is one Ray job
 submitted through ``ray.job_submission.JobSubmissionClient`` with ``submission_id`` = our job id
@@ -11,7 +12,7 @@ Resources come from the recipe: a GPU per process for ``device: cuda`` (and for 
 environment variables only (tracking URI, home, data folder, the stop grace): the nodes run the
 trainer image, which has the package installed, so no code is uploaded.
 
-Every scheduler pass reconciles every running job of the table with Ray, whichever API process
+Every scheduler pass polls every running job of the table with Ray, whichever API process
 started it (two API replicas on one database see the same cluster):
 
 - ``PENDING`` / ``RUNNING``: running (the reason says when Ray is still waiting for resources);
@@ -41,14 +42,20 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from serving.jobs.manager import (
-    JobError,
-    JobManager,
-    _Tracked,
-    preflight_command,
-    train_command,
+from serving.jobs.commands import preflight_command, train_command
+from serving.jobs.executor import (
+    CANCEL_REQUESTED,
+    Ended,
+    ExecutorUnavailable,
+    LaunchFailed,
+    NeverStarted,
+    Poll,
+    Running,
 )
-from serving.jobs.store import JobRecord, JobState, utcnow
+from serving.jobs.model import Job, JobState
+from serving.jobs.progress import parse_event
+from serving.jobs.store import utcnow
+from training.progress import Event
 from vit_service.config import Settings
 
 log = logging.getLogger(__name__)
@@ -59,7 +66,7 @@ LOST = ("the Ray cluster has no record of this job (its head restarted without G
 PENDING_REASON = "waiting for resources on the Ray cluster"
 
 
-class RayUnavailable(JobError):
+class RayUnavailable(ExecutorUnavailable):
     def __init__(self, address: str, err: Exception) -> None:
         super().__init__(503, f"the Ray cluster at {address} is unreachable ({err}); "
                               "nothing was submitted, try again when it is back")
@@ -81,27 +88,39 @@ def _client_class() -> type:
     return _Client
 
 
-def submission_id(job: JobRecord) -> str:
+def submission_id(job: Job) -> str:
     """The Ray submission id of the job's current attempt: the job id, then ``<id>-r<n>`` for
     the n-th attempt (Ray ids are single-use, and an old attempt's record stays on the
     cluster, with its logs)."""
     return job.id if job.attempts <= 1 else f"{job.id}-r{job.attempts}"
 
 
+def _preflight_reason(log_text: str) -> str | None:
+    """The reason of the latest failed pre-flight check in an attempt's log, if any."""
+    reason = None
+    for line in log_text.splitlines():
+        event = parse_event(line)
+        if event is not None and event["event"] == Event.preflight and event.get("reason"):
+            reason = str(event["reason"])
+    return reason
+
+
 def _not_found(err: Exception) -> bool:
     return isinstance(err, RuntimeError) and "status code 404" in str(err)
 
 
-class RayJobManager(JobManager):
-    """:class:`JobManager` whose jobs run on a Ray cluster (module docstring)."""
+class RayExecutor:
+    """Attempts as Ray jobs (module docstring)."""
 
-    def __init__(self, settings: Settings, **kwargs: Any) -> None:
-        super().__init__(settings, **kwargs)
+    name = "ray"
+    host_bound = False
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self.address = settings.ray_address
         # Ray queues what the cluster cannot place yet; this bounds what we hand it at once
         self.concurrency = settings.jobs_concurrency or 16
         self._client: Any = None
-        self._offsets: dict[str, int] = {}  # progress read so far from each job's mirror log
         self._unreachable_since: float | None = None
 
     # --- the Ray client -------------------------------------------------------------------------
@@ -131,80 +150,48 @@ class RayJobManager(JobManager):
             self._unreachable_since = None
         return out
 
-    # --- lifecycle / API hooks --------------------------------------------------------------
+    # --- the executor -------------------------------------------------------------------------
     def start(self) -> None:
         try:
             self._call("get_version")
         except RayUnavailable as e:  # start anyway: the scheduler retries every pass
             log.warning("%s", e.detail)
-        super().start()
 
-    def recover(self) -> None:
-        """Nothing to adopt by pid: every pass reconciles every running job with Ray."""
-
-    def _admit(self, recipe: str, overrides: dict[str, Any], nprocs: int) -> None:
+    def check(self) -> None:
         self._call("get_version")  # 503 now rather than a job that cannot start
 
-    def _request_stop(self, job: JobRecord) -> None:
-        try:
-            self._call("stop_job", submission_id(job))
-        except RuntimeError as e:  # not found or already finished: the next pass settles it
-            log.info("stop_job %s: %s", job.id, e)
+    def adopt(self, job: Job) -> bool:
+        return True  # nothing to adopt by pid: every pass polls every running job with Ray
 
-    # --- scheduler ------------------------------------------------------------------------------
-    def tick(self) -> None:
-        with self._lock:
-            running = self.store.list(JobState.running, limit=10_000)
-            try:
-                for job in running:
-                    self._reconcile(job)
-                active = len(self.store.list(JobState.running, limit=10_000))
-                while active < self.concurrency:
-                    job = self.store.oldest_queued()
-                    if job is None or not self._launch(job):
-                        break
-                    active += 1
-            except RayUnavailable:
-                return  # logged once by _call; retried on the next pass
+    def following(self, running: list[Job]) -> list[str]:
+        # a job started by a local-executor API process is not ours to settle
+        return [job.id for job in running if job.executor != "local"]
 
-    def _launch(self, job: JobRecord) -> bool:
-        claimed = self.store.transition(job.id, {JobState.queued}, state=JobState.running,
-                                        started_at=utcnow(), attempts=job.attempts + 1)
-        if claimed is None:
-            return True  # cancelled meanwhile, or another API process took it
-        cmd = self.command(claimed)
+    def launch(self, job: Job) -> dict[str, Any]:
+        cmd = self.command(job)
         # the pre-flight check first: a node whose interpreter cannot import the project fails
         # the job with a reason that says so, not with a traceback from deep in an import
         entrypoint = f"{shlex.join(preflight_command(cmd[0]))} && {shlex.join(cmd)}"
-        sid = submission_id(claimed)
+        sid = submission_id(job)
         try:
             self._call("submit_job", entrypoint=entrypoint, submission_id=sid,
-                       runtime_env=self.runtime_env(), **self.resources(claimed),
-                       metadata={"vit_service_job": claimed.id, "recipe": claimed.recipe})
-        except RayUnavailable:
-            self.store.transition(claimed.id, {JobState.running}, state=JobState.queued,
-                                  started_at=None, attempts=job.attempts)
-            raise
+                       runtime_env=self.runtime_env(), **self.resources(job),
+                       metadata={"vit_service_job": job.id, "recipe": job.recipe})
         except (RuntimeError, ValueError) as e:
-            if "already exists" in str(e):  # submitted by us before a crash: it is on Ray
-                log.warning("job %s was already on Ray; following it", claimed.id)
-            else:
-                self.store.update(claimed.id, state=JobState.failed, finished_at=utcnow(),
-                                  reason=f"Ray refused the submission: {e}")
-                return True
-        run_dir = Path(claimed.run_dir)
+            if "already exists" not in str(e):
+                raise LaunchFailed(f"Ray refused the submission: {e}") from e
+            # submitted by us before a crash: it is on Ray
+            log.warning("job %s was already on Ray; following it", job.id)
+        run_dir = Path(job.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        with open(claimed.log_path, "ab") as f:
+        with open(job.log_path, "ab") as f:
             f.write(f"# ray job {sid} at {self.address}: {entrypoint}\n".encode())
-        # progress is read from here on; an earlier attempt's lines (before resuming) are skipped
-        self._offsets[claimed.id] = claimed.log_path.stat().st_size
-        self._mirror_state(claimed, reset=True)
-        self.store.update(claimed.id, executor="ray", reason=PENDING_REASON)
-        log.info("job %s submitted to Ray at %s as %s: %s", claimed.id, self.address, sid,
+        self._mirror_state(job, reset=True)
+        log.info("job %s submitted to Ray at %s as %s: %s", job.id, self.address, sid,
                  entrypoint)
-        return True
+        return {"executor": self.name, "reason": PENDING_REASON}
 
-    def command(self, job: JobRecord) -> list[str]:
+    def command(self, job: Job) -> list[str]:
         # the trainer checks the shared run folder itself: the API cannot see the nodes' disks
         return train_command(job, self.settings.resolved_ray_python,
                              "if-exists" if job.resume else None)
@@ -223,7 +210,7 @@ class RayJobManager(JobManager):
             env["VIT_SERVICE_CACHE_DIR"] = str(s.cache_dir.resolve())
         return {"env_vars": env}
 
-    def resources(self, job: JobRecord) -> dict[str, float]:
+    def resources(self, job: Job) -> dict[str, float]:
         from training.recipes import load_recipe
 
         device = load_recipe(job.recipe, job.overrides).device
@@ -233,60 +220,55 @@ class RayJobManager(JobManager):
             out["entrypoint_num_gpus"] = float(job.nprocs)
         return out
 
-    def _reconcile(self, job: JobRecord) -> None:
-        if job.executor == "local":
-            return  # started by a local-executor API process: not ours to settle
+    def poll(self, job: Job) -> Poll:
         if job.executor is None:  # claimed; submitted by now, unless its claimer died first
             if job.started_at and utcnow() - job.started_at < timedelta(
                     seconds=self.settings.ray_submit_grace_s):
-                return
+                return Running()
         try:
             info = self._call("get_job_info", submission_id(job))
         except RuntimeError as e:
             if not _not_found(e):
                 raise
             if job.executor is None:  # never reached Ray: queue it again
-                self.store.transition(job.id, {JobState.running}, state=JobState.queued,
-                                      started_at=None, attempts=max(0, job.attempts - 1))
                 log.warning("job %s was claimed but never submitted; queued again", job.id)
-                return
-            self._progress(job)  # what the mirror holds: Ray has no logs of it any more
-            self.store.update(job.id, state=JobState.failed, finished_at=utcnow(),
-                              reason=LOST.format(id=job.id))
+                return NeverStarted()
             log.warning("job %s: %s", job.id, LOST.format(id=job.id))
-            return
-        if job.executor is None:
-            job = self.store.update(job.id, executor="ray")
-        self._mirror_logs(job)
-        self._progress(job)
+            return Ended(JobState.failed, LOST.format(id=job.id))  # its mirror: all there is
+        fields: dict[str, Any] = {"executor": self.name} if job.executor is None else {}
+        text = self._mirror_logs(job)
         status = str(getattr(info.status, "value", info.status))
         if status in ("PENDING", "RUNNING"):
             want = PENDING_REASON if status == "PENDING" else None
             if job.reason in (None, PENDING_REASON) and job.reason != want:
-                self.store.update(job.id, reason=want)
-            return
+                fields["reason"] = want
+            return Running(fields)
         if status not in ("SUCCEEDED", "STOPPED", "FAILED"):
-            return  # a newer state this code does not know: leave it running
+            return Running(fields)  # a newer state this code does not know: leave it running
         code = getattr(info, "driver_exit_code", None)
         if status == "SUCCEEDED":
             state, reason, code = JobState.succeeded, None, 0 if code is None else code
-        elif status == "STOPPED" and job.reason == "cancel requested":
+        elif status == "STOPPED" and job.reason == CANCEL_REQUESTED:
             state, reason = JobState.cancelled, "cancelled"
         elif status == "STOPPED":
-            state, reason = JobState.failed, "stopped on the Ray cluster, not through this " \
-                                             "service; resume it with POST /v1/jobs/{id}/resume"
-        else:
-            job = self._get(job.id)  # with the progress just read (a pre-flight failure's)
-            preflight = job.progress.get("preflight")
+            state, reason = JobState.failed, (f"stopped on the Ray cluster, not through this "
+                                              f"service; resume it with POST /v1/jobs/{job.id}"
+                                              "/resume")
+        else:  # a failed pre-flight check says what the node lacks (the latest one reported)
+            preflight = _preflight_reason(text) or job.progress.get("preflight")
             state, reason = JobState.failed, (f"pre-flight failed on the node: {preflight}"
                                               if preflight else f"failed on Ray: {info.message}")
-        self.store.update(job.id, state=state, finished_at=utcnow(), exit_code=code,
-                          reason=reason.replace("{id}", job.id) if reason else None)
-        self._offsets.pop(job.id, None)
         log.info("job %s %s on Ray (%s)", job.id, state.value, info.message)
+        return Ended(state, reason, code, fields)
 
-    # --- logs and progress, mirrored from Ray -----------------------------------------------
-    def _mirror_state(self, job: JobRecord, reset: bool = False) -> dict[str, Any]:
+    def stop(self, job: Job) -> None:
+        try:
+            self._call("stop_job", submission_id(job))
+        except RuntimeError as e:  # not found or already finished: the next pass settles it
+            log.info("stop_job %s: %s", job.id, e)
+
+    # --- logs, mirrored from Ray into job.log --------------------------------------------------
+    def _mirror_state(self, job: Job, reset: bool = False) -> dict[str, Any]:
         path = Path(job.run_dir) / "ray-mirror.json"
         state = {"attempt": job.attempts, "bytes": 0}
         if not reset:
@@ -299,8 +281,8 @@ class RayJobManager(JobManager):
             path.write_text(json.dumps(state))
         return state
 
-    def _mirror_logs(self, job: JobRecord) -> None:
-        """Append what Ray has of this attempt's log beyond what the mirror holds."""
+    def _mirror_logs(self, job: Job) -> str:
+        """Append what Ray has of this attempt's log beyond what the mirror holds; the log."""
         text = self._call("get_job_logs", submission_id(job))
         data = text.encode("utf-8", "replace")
         run_dir = Path(job.run_dir)
@@ -309,14 +291,9 @@ class RayJobManager(JobManager):
             fcntl.flock(lock, fcntl.LOCK_EX)
             state = self._mirror_state(job)
             have = int(state.get("bytes", 0))
-            if len(data) <= have:
-                return
-            with open(job.log_path, "ab") as f:
-                f.write(data[have:])
-            state["bytes"] = len(data)
-            (run_dir / "ray-mirror.json").write_text(json.dumps(state))
-
-    def _progress(self, job: JobRecord) -> None:
-        t = _Tracked(None, 0, None, offset=self._offsets.get(job.id, 0))
-        self._read_progress(job.id, t)
-        self._offsets[job.id] = t.offset
+            if len(data) > have:
+                with open(job.log_path, "ab") as f:
+                    f.write(data[have:])
+                state["bytes"] = len(data)
+                (run_dir / "ray-mirror.json").write_text(json.dumps(state))
+        return text

@@ -14,9 +14,8 @@ from fastapi.responses import JSONResponse
 
 from serving.deps import ApiKeyDep, JsonBodyDep, SettingsDep
 from serving.errors import error_responses
-from serving.jobs import JobError, JobManager
+from serving.jobs import JobError, JobManager, JobState
 from serving.jobs.schemas import Job, JobCreate, JobList, JobLogs, JobMetrics, Recipe, RecipeList
-from serving.jobs.store import JobState
 
 router = APIRouter(tags=["jobs"], dependencies=[ApiKeyDep],
                    responses=error_responses(401, 403))
@@ -40,21 +39,21 @@ def list_recipes() -> RecipeList:
              dependencies=[JsonBodyDep], responses=error_responses(415, 422),
              summary="Queue a training job")
 async def create_job(body: JobCreate, jobs: JobsDep, settings: SettingsDep) -> Job:
-    rec = await run_in_threadpool(jobs.submit, body.recipe, body.overrides, body.name,
+    job = await run_in_threadpool(jobs.submit, body.recipe, body.overrides, body.name,
                                   body.nprocs)
-    return Job.from_record(rec, settings.mlflow_ui_url)
+    return job.with_run_url(settings.mlflow_ui_url)
 
 
 @router.get("/jobs", response_model=JobList, summary="Jobs, newest first")
 def list_jobs(jobs: JobsDep, settings: SettingsDep, state: JobState | None = None,
               limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> JobList:
-    return JobList(jobs=[Job.from_record(r, settings.mlflow_ui_url)
+    return JobList(jobs=[r.with_run_url(settings.mlflow_ui_url)
                          for r in jobs.list(state, limit)])
 
 
 @router.get("/jobs/{job_id}", response_model=Job, responses=error_responses(404))
 def get_job(job_id: str, jobs: JobsDep, settings: SettingsDep) -> Job:
-    return Job.from_record(jobs.get(job_id), settings.mlflow_ui_url)
+    return jobs.get(job_id).with_run_url(settings.mlflow_ui_url)
 
 
 @router.get("/jobs/{job_id}/logs", response_model=JobLogs, responses=error_responses(404))
@@ -74,14 +73,14 @@ def job_metrics(job_id: str, jobs: JobsDep,
              responses=error_responses(404, 409),
              summary="SIGTERM (the trainer checkpoints), SIGKILL after a grace period")
 def cancel_job(job_id: str, jobs: JobsDep, settings: SettingsDep) -> Job:
-    return Job.from_record(jobs.cancel(job_id), settings.mlflow_ui_url)
+    return jobs.cancel(job_id).with_run_url(settings.mlflow_ui_url)
 
 
 @router.post("/jobs/{job_id}/resume", response_model=Job, status_code=status.HTTP_202_ACCEPTED,
              responses=error_responses(404, 409),
              summary="Queue a failed or cancelled job again, from its last checkpoint")
 def resume_job(job_id: str, jobs: JobsDep, settings: SettingsDep) -> Job:
-    return Job.from_record(jobs.resume(job_id), settings.mlflow_ui_url)
+    return jobs.resume(job_id).with_run_url(settings.mlflow_ui_url)
 
 
 def install_job_error_handler(app: FastAPI) -> None:

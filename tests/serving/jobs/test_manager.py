@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from serving.jobs import JobError, JobManager, JobState
+from serving.jobs.local import LocalExecutor, local_command, signal_group
 from vit_service.config import Settings
 
 WORKER = r"""
@@ -30,17 +32,20 @@ print(json.dumps({"event": "end", "status": "succeeded", "val_acc": 0.5}), flush
 """
 
 
-class _Manager(JobManager):
-    """Runs WORKER instead of the trainer; everything else is the real manager."""
-
-    def command(self, job):  # type: ignore[override]
-        return [sys.executable, "-c", WORKER, str(job.overrides.get("steps", 5)),
-                job.overrides.get("mode", "ok")]
+def _worker_command(job) -> list[str]:
+    return [sys.executable, "-c", WORKER, str(job.overrides.get("steps", 5)),
+            job.overrides.get("mode", "ok")]
 
 
 def _validate(recipe: str, overrides: dict) -> None:
     if recipe != "fake":
         raise JobError(422, f"unknown recipe {recipe!r}")
+
+
+def _manager(settings: Settings) -> JobManager:
+    """Runs WORKER instead of the trainer; everything else is the real manager."""
+    return JobManager(settings, executor=LocalExecutor(settings, command=_worker_command),
+                      validate=_validate)
 
 
 @pytest.fixture
@@ -60,7 +65,7 @@ def _wait(mgr: JobManager, job_id: str, states: set[JobState], timeout: float = 
 
 
 def test_job_runs_to_success_with_progress(settings: Settings) -> None:
-    mgr = _Manager(settings, validate=_validate)
+    mgr = _manager(settings)
     job = mgr.submit("fake", {"steps": 4})
     assert job.state == JobState.queued
     _wait(mgr, job.id, {JobState.succeeded})
@@ -72,7 +77,7 @@ def test_job_runs_to_success_with_progress(settings: Settings) -> None:
 
 
 def test_failure_records_exit_code_and_reason(settings: Settings) -> None:
-    mgr = _Manager(settings, validate=_validate)
+    mgr = _manager(settings)
     job = mgr.submit("fake", {"steps": 2, "mode": "fail"})
     _wait(mgr, job.id, {JobState.failed})
     done = mgr.get(job.id)
@@ -81,7 +86,7 @@ def test_failure_records_exit_code_and_reason(settings: Settings) -> None:
 
 
 def test_queue_respects_concurrency_and_cancel(settings: Settings) -> None:
-    mgr = _Manager(settings, validate=_validate)
+    mgr = _manager(settings)
     a = mgr.submit("fake", {"steps": 200})
     b = mgr.submit("fake", {"steps": 2})
     _wait(mgr, a.id, {JobState.running})
@@ -102,7 +107,7 @@ def test_queue_respects_concurrency_and_cancel(settings: Settings) -> None:
 
 
 def test_invalid_requests(settings: Settings) -> None:
-    mgr = _Manager(settings, validate=_validate)
+    mgr = _manager(settings)
     with pytest.raises(JobError) as e:
         mgr.submit("nope", {})
     assert e.value.status == 422
@@ -121,11 +126,11 @@ def test_invalid_requests(settings: Settings) -> None:
 
 
 def test_restart_readopts_live_jobs_and_fails_dead_ones(settings: Settings) -> None:
-    mgr = _Manager(settings, validate=_validate)
+    mgr = _manager(settings)
     live = mgr.submit("fake", {"steps": 60})
     _wait(mgr, live.id, {JobState.running})
     # a second "server" on the same database, while the first is gone (no more ticks)
-    mgr2 = _Manager(settings, validate=_validate)
+    mgr2 = _manager(settings)
     mgr2.recover()
     assert mgr2.get(live.id).state == JobState.running
     _wait(mgr2, live.id, {JobState.succeeded})
@@ -134,8 +139,8 @@ def test_restart_readopts_live_jobs_and_fails_dead_ones(settings: Settings) -> N
     # a job that finished while no server was watching is settled from its log, progress too
     quick = mgr2.submit("fake", {"steps": 3})
     _wait(mgr2, quick.id, {JobState.running})
-    mgr2._tracked[quick.id].proc.wait(20)  # the process ends; this "server" never looks again
-    mgr_late = _Manager(settings, validate=_validate)
+    mgr2.executor.procs[quick.id].proc.wait(20)  # the process ends; this "server" never looks again
+    mgr_late = _manager(settings)
     mgr_late.recover()
     settled = mgr_late.get(quick.id)
     assert settled.state == JobState.succeeded and settled.progress["step"] == 3
@@ -143,17 +148,17 @@ def test_restart_readopts_live_jobs_and_fails_dead_ones(settings: Settings) -> N
     dead = mgr2.store.create(name="x", recipe="fake", overrides={}, nprocs=1,
                              runs_root=mgr2.runs_root)
     mgr2.store.update(dead.id, state=JobState.running, pid=999_999_9, pid_start="1")
-    mgr3 = _Manager(settings, validate=_validate)
+    mgr3 = _manager(settings)
     mgr3.recover()
     gone = mgr3.get(dead.id)
     assert gone.state == JobState.failed and "resume" in gone.reason
     again = mgr3.resume(dead.id)
     assert again.state == JobState.queued and again.resume
-    assert "--resume" not in JobManager.command(mgr3, again)  # no checkpoint yet: afresh
+    assert "--resume" not in local_command(again)  # no checkpoint yet: afresh
     ckpt = Path(again.run_dir) / "checkpoints" / "last.pt"
     ckpt.parent.mkdir(parents=True)
     ckpt.write_bytes(b"")
-    cmd = JobManager.command(mgr3, again)
+    cmd = local_command(again)
     assert cmd[-2:] == ["--resume", "auto"] and "--set" not in cmd
 
 
@@ -163,13 +168,13 @@ def test_train_command_runs_the_cli_module_under_torchrun(settings: Settings) ->
     mgr = JobManager(settings)
     job = mgr.store.create(name="x", recipe="cifar10-smoke", overrides={"epochs": 2}, nprocs=2,
                            runs_root=mgr.runs_root)
-    assert mgr.command(job) == [
+    assert mgr.executor.command(job) == [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         "-m", "vit_service.cli", "train", "cifar10-smoke", "--run-name", f"job-{job.id}",
         "--set", "epochs=2"]
     one = mgr.store.create(name="y", recipe="cifar10-smoke", overrides={}, nprocs=1,
                            runs_root=mgr.runs_root)
-    assert mgr.command(one)[:3] == [sys.executable, "-m", "vit_service.cli"]
+    assert mgr.executor.command(one)[:3] == [sys.executable, "-m", "vit_service.cli"]
 
 
 @pytest.mark.parametrize("overrides", [
@@ -182,7 +187,7 @@ def test_train_command_runs_the_cli_module_under_torchrun(settings: Settings) ->
 ])
 def test_every_path_field_is_resolved_before_it_is_checked(settings: Settings,
                                                            overrides: dict) -> None:
-    mgr = _Manager(settings, validate=_validate)
+    mgr = _manager(settings)
     with pytest.raises(JobError) as e:
         mgr.submit("fake", overrides)
     assert e.value.status == 422, overrides
@@ -190,7 +195,7 @@ def test_every_path_field_is_resolved_before_it_is_checked(settings: Settings,
 
 def test_accepted_paths_reach_the_trainer_resolved(settings: Settings) -> None:
     (settings.data_dir / "mine").mkdir(parents=True)
-    mgr = _Manager(settings, validate=_validate)
+    mgr = _manager(settings)
     job = mgr.submit("fake", {"data.path": "mine", "init.from": "models:/cifar10-mae@latest",
                               "init": {"timm_file": "mine/w.pt"}})
     assert job.overrides["data.path"] == str((settings.data_dir / "mine").resolve())
@@ -204,7 +209,7 @@ def test_accepted_paths_reach_the_trainer_resolved(settings: Settings) -> None:
     {"budget_minutes": 10**6},
 ])
 def test_sizes_past_the_servers_caps_are_refused(settings: Settings, overrides: dict) -> None:
-    mgr = _Manager(settings, validate=_validate)
+    mgr = _manager(settings)
     with pytest.raises(JobError) as e:
         mgr.submit("fake", overrides)
     assert e.value.status == 422 and "limit" in str(e.value.detail)
@@ -224,7 +229,7 @@ def test_a_model_too_large_is_refused_before_it_is_queued(tmp_path: Path) -> Non
 
 def test_a_full_queue_is_429(tmp_path: Path) -> None:
     s = Settings(home=tmp_path / "home", data_dir=tmp_path / "data", jobs_max_queued=2)
-    mgr = _Manager(s, validate=_validate)  # not started: everything stays queued
+    mgr = _manager(s)  # not started: everything stays queued
     mgr.submit("fake", {})
     mgr.submit("fake", {})
     with pytest.raises(JobError) as e:
@@ -236,7 +241,7 @@ def test_a_failure_right_after_the_claim_fails_the_job_with_its_reason(
         settings: Settings) -> None:
     """The claim marks the job running; its folder cannot be made (a file is in the way):
     the job ends failed with the reason, not running forever with no process."""
-    mgr = _Manager(settings, validate=_validate)
+    mgr = _manager(settings)
     job = mgr.submit("fake", {"steps": 2})
     Path(job.run_dir).parent.mkdir(parents=True, exist_ok=True)
     Path(job.run_dir).write_text("not a folder")
@@ -247,7 +252,7 @@ def test_a_failure_right_after_the_claim_fails_the_job_with_its_reason(
 
 
 def test_cancel_leaves_a_finished_job_as_it_ended(settings: Settings) -> None:
-    mgr = _Manager(settings, validate=_validate)
+    mgr = _manager(settings)
     job = mgr.submit("fake", {"steps": 1})
     _wait(mgr, job.id, {JobState.succeeded})
     with pytest.raises(JobError) as e:
@@ -263,20 +268,20 @@ def test_two_hosts_on_one_database_leave_each_others_live_jobs_alone(tmp_path: P
     renewed), B settles the job after the lease expires, resumably."""
     common = dict(home=tmp_path / "home", data_dir=tmp_path / "data", jobs_poll_s=0.05,
                   jobs_concurrency=1, jobs_lease_s=1.5)
-    a = _Manager(Settings(jobs_host_id="host-a", **common), validate=_validate)
-    b = _Manager(Settings(jobs_host_id="host-b", **common), validate=_validate)
+    a = _manager(Settings(jobs_host_id="host-a", **common))
+    b = _manager(Settings(jobs_host_id="host-b", **common))
     job = a.submit("fake", {"steps": 400})
     _wait(a, job.id, {JobState.running})
     assert a.get(job.id).host == "host-a"
     b.recover()
     b.tick()
-    assert b.get(job.id).state == JobState.running and job.id not in b._tracked
+    assert b.get(job.id).state == JobState.running and job.id not in b.executor.procs
     for _ in range(4):  # A keeps renewing: past one lease, B still leaves it alone
         time.sleep(0.5)
         a.tick()
         b.tick()
     assert b.get(job.id).state == JobState.running
-    a._signal(a._tracked[job.id].pid, __import__("signal").SIGKILL)  # host A goes down
+    signal_group(a.executor.procs[job.id].pid, signal.SIGKILL)  # host A goes down
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and b.get(job.id).state == JobState.running:
         b._renewed = float("-inf")  # check now rather than in a third of a lease

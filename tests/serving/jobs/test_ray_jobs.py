@@ -1,6 +1,7 @@
-"""RayJobManager against a real Ray head (the session's, tests/serving/jobs/ray_head.py) and
-against an address where nothing answers. The full submit / cancel / resume / restart scenarios
-through the API run in test_jobs_api.py with ``executor=ray``."""
+"""The job manager with its Ray executor against a real Ray head (the session's,
+tests/serving/jobs/ray_head.py) and against an address where nothing answers. The full submit /
+cancel / resume / restart scenarios through the API run in test_jobs_api.py with
+``executor=ray``."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from serving.jobs import JobError, JobState, create_job_manager
-from serving.jobs.ray_jobs import LOST, RayJobManager
+from serving.jobs import JobError, JobManager, JobState, create_job_manager
+from serving.jobs.local import LocalExecutor
+from serving.jobs.ray_jobs import LOST, RayExecutor
 from serving.jobs.store import utcnow
 from tests.serving.jobs.ray_head import RayHead
 from vit_service.config import Settings
@@ -31,7 +33,7 @@ def _settings(tmp_path: Path, address: str, **kw) -> Settings:
                     ray_address=address, ray_timeout_s=5, **kw)
 
 
-def _follow(mgr: RayJobManager, job_id: str, timeout_s: float):
+def _follow(mgr: JobManager, job_id: str, timeout_s: float):
     """Tick the manager until the job has finished (or ``timeout_s`` passed); the job."""
     deadline = time.monotonic() + timeout_s
     job = mgr.get(job_id)
@@ -44,12 +46,14 @@ def _follow(mgr: RayJobManager, job_id: str, timeout_s: float):
 
 
 def test_the_executor_setting_picks_the_manager(tmp_path: Path) -> None:
-    assert type(create_job_manager(Settings(home=tmp_path))).__name__ == "JobManager"
-    assert isinstance(create_job_manager(_settings(tmp_path, _dead_address())), RayJobManager)
+    local = create_job_manager(Settings(home=tmp_path))
+    assert type(local).__name__ == "JobManager" and isinstance(local.executor, LocalExecutor)
+    assert isinstance(create_job_manager(_settings(tmp_path, _dead_address())).executor,
+                      RayExecutor)
 
 
 def test_unreachable_ray_is_503_and_loses_nothing(tmp_path: Path) -> None:
-    mgr = RayJobManager(_settings(tmp_path, _dead_address()))
+    mgr = create_job_manager(_settings(tmp_path, _dead_address()))
     kept = mgr.store.create(name="kept", recipe="cifar10-smoke", overrides={}, nprocs=1,
                             runs_root=mgr.runs_root)
     mgr.store.update(kept.id, state=JobState.running, executor="ray", started_at=utcnow())
@@ -69,7 +73,7 @@ def test_unreachable_ray_is_503_and_loses_nothing(tmp_path: Path) -> None:
 
 
 def test_a_head_that_forgot_the_job_fails_it_resumably(tmp_path: Path, ray_head: RayHead) -> None:
-    mgr = RayJobManager(_settings(tmp_path, ray_head.address))
+    mgr = create_job_manager(_settings(tmp_path, ray_head.address))
     job = mgr.store.create(name="lost", recipe="cifar10-smoke", overrides={}, nprocs=1,
                            runs_root=mgr.runs_root)
     mgr.store.update(job.id, state=JobState.running, executor="ray", started_at=utcnow(),
@@ -84,7 +88,7 @@ def test_a_claim_that_never_reached_ray_is_queued_again(tmp_path: Path,
                                                         ray_head: RayHead) -> None:
     """Its API process died between claiming and submitting: after the grace it is queued
     again (here a local job holds the one slot, so the pass does not launch it)."""
-    mgr = RayJobManager(_settings(tmp_path, ray_head.address, jobs_concurrency=1))
+    mgr = create_job_manager(_settings(tmp_path, ray_head.address, jobs_concurrency=1))
     busy = mgr.store.create(name="busy", recipe="cifar10-smoke", overrides={}, nprocs=1,
                             runs_root=mgr.runs_root)
     mgr.store.update(busy.id, state=JobState.running, executor="local", started_at=utcnow())
@@ -102,22 +106,23 @@ def test_a_claim_that_never_reached_ray_is_queued_again(tmp_path: Path,
 
 
 def test_entrypoint_and_resources_come_from_the_recipe(tmp_path: Path) -> None:
-    mgr = RayJobManager(_settings(tmp_path, _dead_address(), ray_cpus_per_proc=2))
+    mgr = create_job_manager(_settings(tmp_path, _dead_address(), ray_cpus_per_proc=2))
     job = mgr.store.create(name="x", recipe="cifar10-vit", overrides={"epochs": 3}, nprocs=2,
                            runs_root=mgr.runs_root)
-    cmd = mgr.command(job)
+    cmd = mgr.executor.command(job)
     assert cmd[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
                        "--nproc_per_node=2", "-m"]
     assert cmd[6:9] == ["vit_service.cli", "train", "cifar10-vit"]
     assert shlex.split(shlex.join(cmd)) == cmd  # what Ray's shell runs is exactly this
-    assert mgr.resources(job) == {"entrypoint_num_cpus": 4.0, "entrypoint_num_gpus": 2.0}
+    assert mgr.executor.resources(job) == {"entrypoint_num_cpus": 4.0, "entrypoint_num_gpus": 2.0}
     cpu = mgr.store.create(name="y", recipe="cifar10-vit-cpu", overrides={}, nprocs=1,
                            runs_root=mgr.runs_root)
-    assert mgr.resources(cpu) == {"entrypoint_num_cpus": 2.0}
+    assert mgr.executor.resources(cpu) == {"entrypoint_num_cpus": 2.0}
     resumed = mgr.store.update(cpu.id, resume=1)
-    assert mgr.command(resumed)[-4:] == ["--run-name", f"job-{cpu.id}", "--resume", "if-exists"]
-    env = mgr.runtime_env()["env_vars"]
-    assert set(mgr.runtime_env()) == {"env_vars"}  # no code upload: the nodes have the package
+    ray = mgr.executor
+    assert ray.command(resumed)[-4:] == ["--run-name", f"job-{cpu.id}", "--resume", "if-exists"]
+    env = ray.runtime_env()["env_vars"]
+    assert set(ray.runtime_env()) == {"env_vars"}  # no code upload: the nodes have the package
     assert env["VIT_SERVICE_HOME"] == str(mgr.settings.home.resolve())
     assert env["RAY_JOB_STOP_WAIT_TIME_S"] == "30"  # the cancel grace: SIGTERM, then SIGKILL
 
@@ -133,7 +138,7 @@ def test_a_two_process_job_runs_ddp_under_torchrun_on_ray(tmp_path: Path,
     make_cifar_archive(data / "cifar10-jpeg-train.tar.gz", per_class=30)
     home = tmp_path / "home"
     uri = f"sqlite:///{home / 'mlflow.db'}"
-    mgr = RayJobManager(Settings(home=home, data_dir=data, jobs_executor="ray",
+    mgr = create_job_manager(Settings(home=home, data_dir=data, jobs_executor="ray",
                                  ray_address=ray_head.address,
                                  cache_dir=tmp_path / "cache",
                                  **{"MLFLOW_TRACKING_URI": uri}))  # the field's alias
@@ -169,7 +174,7 @@ def test_a_node_that_cannot_import_the_project_fails_the_job_with_that_reason(
     venv.EnvBuilder(with_pip=False).create(bare)
     python = str(bare / "bin" / "python")
     assert subprocess.run([python, "-c", "import torch"], capture_output=True).returncode != 0
-    mgr = RayJobManager(_settings(tmp_path, ray_head.address, ray_python=python))
+    mgr = create_job_manager(_settings(tmp_path, ray_head.address, ray_python=python))
     job = mgr.submit("cifar10-smoke", {"epochs": 1})
     job = _follow(mgr, job.id, 120)
     assert job.state == JobState.failed, job

@@ -1,0 +1,48 @@
+"""The command lines a job runs: the trainer, and (on Ray) the node's pre-flight check first.
+
+Built from a job's validated recipe name and typed overrides only, never from a user string.
+"""
+
+from __future__ import annotations
+
+import json
+
+from serving.jobs.model import Job
+from training.progress import Event
+
+
+def train_command(job: Job, python: str, resume: str | None) -> list[str]:
+    """The ``vit-service train`` command line of ``job``: built from its validated recipe name
+    and typed overrides only (never a user string), under torchrun when it asks >1 process.
+    ``resume``: None (start afresh), ``auto`` (the run's checkpoint: the recipe comes from it)
+    or ``if-exists`` (the checkpoint if there is one, else afresh with the overrides)."""
+    train = ["-m", "vit_service.cli", "train", job.recipe, "--run-name", f"job-{job.id}"]
+    if resume is not None:
+        train += ["--resume", resume]
+    if resume != "auto":
+        for key, value in job.overrides.items():
+            train += ["--set", f"{key}={json.dumps(value)}"]  # JSON scalars parse as YAML
+    if job.nprocs > 1:
+        return [python, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={job.nprocs}", *train]
+    return [python, *train]
+
+
+# Run by the job's interpreter before the trainer (standard library only: it must run where
+# nothing else imports): one JSON event and exit code 78 (EX_CONFIG) when the node's
+# interpreter lacks what a training job imports.
+PREFLIGHT = (
+    "import importlib.util as u, json, socket, sys\n"
+    "missing = [m for m in ('torch', 'vit_service', 'training') if u.find_spec(m) is None]\n"
+    "if missing:\n"
+    f"    print(json.dumps({{'event': '{Event.preflight}', 'status': 'failed', 'reason': "
+    "f'{sys.executable} on {socket.gethostname()} cannot import {\", \".join(missing)}: set "
+    "VIT_SERVICE_RAY_PYTHON to the interpreter of the nodes that has vit-service installed'}),"
+    " flush=True)\n"
+    "    sys.exit(78)\n"
+)
+
+
+def preflight_command(python: str) -> list[str]:
+    """The pre-flight check of a node's interpreter (:data:`PREFLIGHT`) as a command line."""
+    return [python, "-c", PREFLIGHT]

@@ -1,0 +1,89 @@
+"""Where a job's attempts run: the :class:`Executor` protocol the job manager launches through,
+and what a poll of an attempt answers.
+
+Two executors: local processes (:mod:`serving.jobs.local`) and a Ray cluster
+(:mod:`serving.jobs.ray_jobs`). The manager owns everything else (the queue, the checks, the
+store, leases, progress); an executor starts, watches and stops attempts, and never decides a
+job's state on its own: a poll says what it saw, the manager records it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from serving.jobs.model import Job, JobError, JobState
+
+CANCEL_REQUESTED = "cancel requested"  # a running job's reason from its cancel until it stops
+
+
+class ExecutorUnavailable(JobError):
+    """Where the jobs run does not answer (503): nothing was started; retried next pass."""
+
+
+class LaunchFailed(Exception):
+    """The attempt could not start: the job fails with this reason."""
+
+
+@dataclass(frozen=True)
+class Running:
+    """Still running; ``fields`` to record now (the executor, a reason)."""
+
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The attempt ended, and the executor knows how; ``fields``: more to record."""
+
+    state: JobState
+    reason: str | None = None
+    exit_code: int | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Vanished:
+    """The attempt ended, its exit status unknown: settled from what its log says."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class NeverStarted:
+    """The attempt never reached the executor (its claimer died first): queue the job again."""
+
+
+Poll = Running | Ended | Vanished | NeverStarted
+
+
+class Executor(Protocol):
+    name: str  # the job row's ``executor`` once an attempt started here: local | ray
+    # True: attempts are processes of this host, followed by the API process that started
+    # them (or re-adopted them), under a lease. False: every API process follows every
+    # running attempt from the table (a cluster shared by the API replicas).
+    host_bound: bool
+    concurrency: int  # attempts at once
+
+    def start(self) -> None:
+        """Before the scheduler's first pass."""
+
+    def check(self) -> None:
+        """Before a valid job is queued: raise :class:`JobError` if nothing could run it."""
+
+    def launch(self, job: Job) -> dict[str, Any]:
+        """Start the claimed job's attempt, with its output appended to ``job.log_path``.
+        Returns the fields to record; raises :class:`LaunchFailed` (the job fails) or
+        :class:`ExecutorUnavailable` (it is queued again)."""
+
+    def adopt(self, job: Job) -> bool:
+        """After a restart, follow a running attempt again; False if it is gone."""
+
+    def following(self, running: list[Job]) -> list[str]:
+        """The jobs to poll this pass (``running``: the table's running jobs)."""
+
+    def poll(self, job: Job) -> Poll:
+        """What became of the job's attempt (its new output is in ``job.log_path`` after)."""
+
+    def stop(self, job: Job) -> None:
+        """Ask the attempt to stop: SIGTERM (it checkpoints), SIGKILL after the grace."""

@@ -1,0 +1,102 @@
+"""A job's progress, read from its log: the trainer's JSON-lines events (training.progress),
+whichever executor ran it (a local process writes ``job.log`` itself; Ray's output is mirrored
+into it).
+
+:func:`read_progress` merges the events past an offset into the job's stored progress (its
+epoch, step, latest metrics, end status...), and returns the offset to read from next.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from serving.jobs.model import Job
+from serving.jobs.store import JobStore
+from training.progress import Event
+
+TAIL_BYTES = 256 * 1024  # the most a tail of a log reads
+
+
+def parse_event(line: str) -> dict[str, Any] | None:
+    """The progress event a log line holds, or None for any other line."""
+    line = line.strip()
+    if not line.startswith("{"):
+        return None
+    try:
+        event = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return event if isinstance(event, dict) and "event" in event else None
+
+
+def merge_progress(progress: dict[str, Any], event: dict[str, Any]) -> None:
+    """Fold one event into ``progress`` (in place): counters, the latest numeric fields as
+    metrics, the end status and a pre-flight failure's reason."""
+    kind = event.get("event")
+    progress["last_event"] = kind
+    for k in ("epoch", "epochs", "step", "total_steps"):
+        if k in event:
+            progress[k] = event[k]
+    metrics = progress.setdefault("metrics", {})
+    for k, v in event.items():
+        if k in ("event", "epoch", "epochs", "step", "total_steps", "mlflow_run_id", "time"):
+            continue
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            metrics[k] = v
+    if kind == Event.end and "status" in event:
+        progress["status"] = event["status"]
+    if kind == Event.preflight and event.get("reason"):
+        progress["preflight"] = str(event["reason"])
+
+
+def read_progress(store: JobStore, job_id: str, offset: int) -> tuple[Job, int]:
+    """Merge the whole lines the job's log holds past ``offset`` into its stored progress (and
+    its MLflow run id). Returns the job as read before that (its state and reason are the
+    ones the merge leaves unchanged) and the offset to read from next."""
+    job = store.get(job_id)
+    if job is None:
+        raise KeyError(job_id)
+    try:
+        with open(job.log_path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return job, offset
+    cut = data.rfind(b"\n") + 1  # only whole lines
+    changed = False
+    progress = dict(job.progress)
+    run_id = job.mlflow_run_id
+    for line in data[:cut].decode("utf-8", "replace").splitlines():
+        event = parse_event(line)
+        if event is None:
+            continue
+        changed = True
+        run_id = event.get("mlflow_run_id") or run_id
+        merge_progress(progress, event)
+    if changed:
+        store.update(job_id, progress=progress, mlflow_run_id=run_id)
+    return job, offset + cut
+
+
+def tail_lines(path: Path, lines: int) -> list[str]:
+    """The last ``lines`` lines of a log (reading only its end)."""
+    if not path.exists():
+        return []
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - TAIL_BYTES))
+        out = f.read().decode("utf-8", "replace").splitlines()
+    return out[-lines:] if lines > 0 else []
+
+
+def last_event(path: Path, kind: Event) -> dict[str, Any] | None:
+    """The latest ``kind`` event near the end of a log."""
+    for line in reversed(tail_lines(path, 200)):
+        event = parse_event(line)
+        if event is not None and event.get("event") == kind:
+            return event
+    return None

@@ -1,0 +1,146 @@
+"""What a job request may ask: a known recipe *name* (never a path), overrides checked against
+the recipe's schema, every path inside the data or home folders, sizes within the server's
+caps (settings ``jobs_max_*``), a model of bounded size."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+from serving.jobs.model import JobError
+from vit_service.config import Settings
+
+PATH_KEY_SUFFIXES = ("dir", "file", "path", "root", "uri")
+# recipe fields that name a file or folder on the server, whatever their key's suffix says
+PATH_KEYS = ("data.path", "init.from", "init.timm_file")
+# init.from may also name a run or a registered model: not a path then
+NOT_A_PATH = ("models:/", "runs:/")
+RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def validate_recipe(recipe: str, overrides: dict[str, Any]) -> None:
+    """Only known recipe *names* (never a path), overrides checked against the recipe schema."""
+    from training.recipes import RecipeError, list_recipes, load_recipe
+
+    known = list_recipes()
+    if recipe not in known:
+        raise JobError(422, f"unknown recipe {recipe!r}; known: {', '.join(known)}")
+    try:
+        load_recipe(recipe, overrides)
+    except RecipeError as e:
+        raise JobError(422, str(e)) from e
+
+
+def resolve_paths(overrides: dict[str, Any], roots: list[Path]) -> dict[str, Any]:
+    """Every path the overrides name (the recipe's path fields, and any key that looks like
+    one, nested or dotted) must stay inside ``roots`` (the data folder first) once resolved:
+    ``~`` is refused (the trainer would expand it), a relative path is the data folder's, and
+    symlinks are followed. Returns the overrides with each such path replaced by its
+    resolved absolute form, which is what the trainer gets."""
+    out = copy.deepcopy(overrides)
+    for key, value in _flatten(overrides).items():
+        k = key.lower()
+        if k not in PATH_KEYS and not k.rsplit(".", 1)[-1].endswith(PATH_KEY_SUFFIXES):
+            continue
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value or "\x00" in value:
+            raise JobError(422, f"override {key!r} must be a path string")
+        if value.startswith("~"):
+            raise JobError(422, f"override {key!r}: ~ is not expanded here; give a path "
+                                "relative to the data folder")
+        if k == "init.from" and (value.startswith(NOT_A_PATH) or RUN_ID.match(value)):
+            continue
+        if "://" in value:
+            raise JobError(422, f"override {key!r}: URLs are not accepted here")
+        p = Path(value)
+        p = (roots[0] / p if not p.is_absolute() else p).resolve()
+        if not any(p == r or r in p.parents for r in roots):
+            raise JobError(422, f"override {key!r}: {value!r} is outside the data and home "
+                                "folders")
+        _set(out, key, str(p))
+    return out
+
+
+def check_caps(overrides: dict[str, Any], s: Settings) -> None:
+    """Sizes a job may ask for through the API (settings ``jobs_max_*``): 422 past them
+    (``nprocs`` is capped by the manager's submit itself)."""
+    flat_caps = _flatten(overrides)
+    caps = {"epochs": s.jobs_max_epochs, "batch_size": s.jobs_max_batch_size,
+            "eval_batch_size": s.jobs_max_batch_size, "threads": s.jobs_max_threads,
+            "processes": s.jobs_max_procs}
+    for key, cap in caps.items():
+        value = flat_caps.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > cap:
+            raise JobError(422, f"override {key!r}: {value} is over this server's limit of "
+                                f"{cap}")
+    budget = flat_caps.get("budget_minutes")
+    if isinstance(budget, (int, float)) and budget > s.jobs_max_budget_minutes:
+        raise JobError(422, f"override 'budget_minutes': {budget} is over this server's "
+                            f"limit of {s.jobs_max_budget_minutes}")
+
+
+def check_model_size(recipe: str, overrides: dict[str, Any], max_params: int) -> None:
+    """The model the job would build, estimated from its config (nothing is built):
+    422 past ``max_params``, whatever combination of overrides got it there."""
+    from training.recipes import load_recipe
+    from vit_service.models import get_config
+
+    r = load_recipe(recipe, overrides)
+    fields: dict[str, Any] = {}
+    if r.task == "text":  # the tokenizer's real size is known after training it
+        fields = {"vocab_size": r.data.vocab_size or 32_000, "max_len": r.data.max_len or 512}
+    try:
+        cfg = get_config(r.model.name, pos_encoding=r.model.pos_encoding, num_classes=1000,
+                         **fields, **r.model.overrides)
+    except (KeyError, TypeError, ValueError) as e:
+        raise JobError(422, f"model.overrides: {e}") from e
+    n = estimate_parameters(cfg)
+    if n > max_params:
+        raise JobError(422, f"the model would have {n / 1e6:.0f}M parameters; this server "
+                            f"takes at most {max_params / 1e6:.0f}M")
+
+
+def estimate_parameters(cfg: Any) -> int:
+    """An upper-bound estimate of a ViT's or text encoder's parameters from its config alone
+    (nothing is built: the point is to refuse a job before it allocates): the blocks, the
+    token and position tables, the patch stem and the head."""
+    d = int(cfg.embed_dim)
+    hidden = int(d * float(getattr(cfg, "mlp_ratio", 4.0)))
+    block = 4 * d * d + 2 * d * hidden + 10 * d + hidden  # qkv + proj, MLP, norms, biases
+    n = int(cfg.depth) * block
+    n += int(getattr(cfg, "vocab_size", 0)) * d + int(getattr(cfg, "max_len", 0)) * d
+    buckets, width = int(getattr(cfg, "bigram_buckets", 0)), int(getattr(cfg, "bigram_dim", 0))
+    n += buckets * (width or d) + (width * d if width else 0)
+    patch = int(getattr(cfg, "patch_size", 0))
+    n += int(getattr(cfg, "in_chans", 0)) * patch * patch * d
+    if getattr(cfg, "img_size", 0) and patch:
+        n += (int(cfg.img_size) // patch) ** 2 * d
+    stem = int(getattr(cfg, "stem_width", 0)) if getattr(cfg, "stem", "") == "conv" else 0
+    n += 9 * (3 * stem + 2 * stem * stem + 8 * stem * stem) + 4 * stem * d
+    return n + d * int(getattr(cfg, "num_classes", 0))
+
+
+def _flatten(overrides: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"data": {"path": x}}`` -> ``{"data.path": x}`` (dotted keys kept as they are)."""
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        full = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{full}."))
+        else:
+            out[full] = value
+    return out
+
+
+def _set(overrides: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set the value :func:`_flatten` found at ``dotted``, dotted or nested."""
+    if dotted in overrides:
+        overrides[dotted] = value
+        return
+    for k in [k for k in overrides if dotted.startswith(f"{k}.")]:
+        if isinstance(overrides[k], dict):
+            _set(overrides[k], dotted[len(k) + 1:], value)
+            return
