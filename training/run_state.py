@@ -67,7 +67,7 @@ class RunState:
             "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
             "rng": rngs,
             **identity,
-            "status": status,
+            "status": str(status),  # a plain str: weights_only loading allows no enums
             "world_size": dist.world_size,
             "metrics": {
                 "val_acc": self.last_eval.acc if self.last_eval else None,

@@ -32,7 +32,7 @@ from torch import nn
 from training import checkpoint as ckpt_io
 from training.distributed import any_true, cleanup, init_distributed
 from training.evaluate import EvalResult, LossResult
-from training.progress import Progress
+from training.progress import Progress, RunStatus
 from training.publish import Outcome, publish, rehearse_publish
 from training.recipes import Recipe, apply_overrides, validate_recipe
 from training.run_budget import BudgetController
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainResult:
-    status: str  # finished | stopped (max_steps) | interrupted (signal)
+    status: RunStatus  # finished | stopped (max_steps) | interrupted (signal)
     step: int
     epoch: int
     run_name: str
@@ -259,11 +259,11 @@ class Trainer:
                     log.info("run %s already finished; nothing to do", s.run_name)
                     if s.mlrun is not None:
                         s.mlrun.end()
-                    return TrainResult("finished", self.state.step, self.state.epoch,
+                    return TrainResult(RunStatus.finished, self.state.step, self.state.epoch,
                                        s.run_name, s.run_dir, mlflow_run_id=run_id,
                                        checkpoint=s.ckpt_path)
             self.stop.install()
-            status = "finished"
+            status = RunStatus.finished
             try:
                 status = self._loop(self._train_module(), run_id)
             finally:
@@ -305,7 +305,7 @@ class Trainer:
 
         self.budget.probe(time_one_eval, passes, rehearse, s.mlrun is not None)
 
-    def _loop(self, train_model: nn.Module, run_id: str | None) -> str:
+    def _loop(self, train_model: nn.Module, run_id: str | None) -> RunStatus:
         """Steps until the schedule's end, ``max_steps`` or a signal; returns the status."""
         s, r, st, p = self.setup, self.setup.recipe, self.state, self.parts
         s.progress.start(st.total_steps, step=st.step, mlflow_run_id=run_id,
@@ -320,9 +320,9 @@ class Trainer:
             t_epoch = time.perf_counter()
             while st.batch_in_epoch < s.steps_per_epoch and st.step < st.total_steps:
                 if self._at_max_steps():
-                    return "stopped"
+                    return RunStatus.stopped
                 if any_true(self.stop.signum is not None, s.dist):
-                    return "interrupted"
+                    return RunStatus.interrupted
                 t0 = time.perf_counter()
                 size = self._resolution()
                 batch = s.task.train_batch(st.epoch, st.batch_in_epoch, size)
@@ -349,7 +349,7 @@ class Trainer:
                 break  # budget mode: the plan ends mid-epoch (evaluated in _finish)
             self._end_epoch(t_epoch, run_id)
             win.reset()  # keep evaluation and checkpointing out of the throughput window
-        return "finished"
+        return RunStatus.finished
 
     def _resolution(self) -> int | None:
         """Progressive resizing: the image size of the next step (None: the data's)."""
@@ -407,18 +407,18 @@ class Trainer:
             s.mlrun.log_metrics({f"train/{k}": v for k, v in m.items()}, self.state.step)
         s.progress.step(self.state.step, self.state.epoch, **m)
 
-    def _finish(self, status: str, run_id: str | None) -> TrainResult:
+    def _finish(self, status: RunStatus, run_id: str | None) -> TrainResult:
         s, st = self.setup, self.state
         t_end = time.monotonic()  # training is over: what follows is the end the plan kept
-        exit_code = self.stop.exit_code if status == "interrupted" else 0
-        if st.saved_step != st.step or status != "finished":
-            self._save("finished" if status == "finished" else status, run_id)
+        exit_code = self.stop.exit_code if status == RunStatus.interrupted else 0
+        if st.saved_step != st.step or status != RunStatus.finished:
+            self._save(status, run_id)
         version = None
-        if status != "interrupted" and st.last_eval_step != st.step:
+        if status != RunStatus.interrupted and st.last_eval_step != st.step:
             res = self.evaluate()  # stopped mid-epoch: evaluate where we are
             if s.mlrun is not None:
                 s.mlrun.log_metrics(self._val_metrics(res), st.step)
-        if s.dist.is_main and status != "interrupted" and st.last_eval is not None:
+        if s.dist.is_main and status != RunStatus.interrupted and st.last_eval is not None:
             fp32 = st.last_eval.acc if isinstance(st.last_eval, EvalResult) else None
             served = self.validator.served(self.eval_model(), fp32)
             version = publish(self._outcome(served), s.mlrun, run_id,
@@ -442,7 +442,7 @@ class Trainer:
                        registered_version=version, checkpoint=str(s.ckpt_path),
                        run_dir=str(s.run_dir), exit_code=exit_code)
         if s.mlrun is not None:
-            s.mlrun.end("KILLED" if status == "interrupted" else "FINISHED")
+            s.mlrun.end("KILLED" if status == RunStatus.interrupted else "FINISHED")
         log.info("run %s %s at step %d%s", s.run_name, status, st.step,
                  "" if res is None else f" (val_acc {res.acc:.4f})" if res.acc is not None
                  else f" (val_loss {res.loss:.4f})")
