@@ -28,28 +28,17 @@ import logging
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from vit_service.pipeline import Forwards
 from vit_service.precision import Precision, inference_precision
 
 log = logging.getLogger(__name__)
 
 TOLERANCE = 1e-4  # max |traced - eager| on logits and weights at load
-
-
-@dataclass(frozen=True)
-class Forwards:
-    """What the inference thread calls: ``plain(*inputs) -> logits`` and
-    ``with_attention(*inputs) -> (logits, attn (L, B, H, T, T))``."""
-
-    plain: Callable[..., Tensor]
-    with_attention: Callable[..., tuple[Tensor, Tensor]]
-    traced: bool
-    precision: Precision = "fp32"
 
 
 class _WithAttention(nn.Module):
@@ -63,7 +52,7 @@ class _WithAttention(nn.Module):
 
 def eager_forwards(model: nn.Module, precision: Precision = "fp32") -> Forwards:
     if precision == "fp32":
-        return Forwards(model, model.forward_with_attention, False)
+        return Forwards.eager(model)
 
     def plain(*inputs: Tensor) -> Tensor:
         with inference_precision(model, precision):

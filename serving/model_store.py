@@ -38,6 +38,7 @@ from vit_service import tracking
 from vit_service.bundle import META, WEIGHTS, ModelBundle, load_bundle
 from vit_service.config import Settings
 from vit_service.models import set_fused_attn
+from vit_service.pipeline import model_grid, model_query
 from vit_service.precision import resolve_precision
 
 log = logging.getLogger(__name__)
@@ -122,13 +123,11 @@ class LoadedModel:
     @property
     def query(self) -> str:
         """Whose attention row the maps read: ``cls``, or ``mean`` for a mean-pooling model."""
-        return "mean" if getattr(self.bundle.model.config, "pool", "cls") == "mean" else "cls"
+        return model_query(self.bundle.model)
 
     @property
     def grid(self) -> tuple[int, int] | None:
-        cfg = getattr(self.bundle.model, "config", None)
-        grid = getattr(cfg, "grid_size", None)
-        return (int(grid[0]), int(grid[1])) if grid is not None else None
+        return model_grid(self.bundle.model)
 
     def info(self) -> dict[str, Any]:
         """Fields of :class:`serving.schemas.ModelInfo`."""
@@ -342,8 +341,7 @@ def probe_relevance(model: LoadedModel) -> str | None:
     """Run the relevance pass once on a blank input, as a request would (served precision,
     the model's grid and query row, inference mode): None if it works, else why not, in a
     sentence for the model card and the 422 a request for relevance then gets."""
-    from vit_service.explain import explain
-    from vit_service.precision import inference_precision
+    from vit_service.pipeline import ExplainSpec, ImageInputs, Inputs, TextInputs, explain_batch
 
     net, meta, precision = model.bundle.model, model.bundle.meta, model.precision
     if not hasattr(net, "attention_graph"):
@@ -351,15 +349,13 @@ def probe_relevance(model: LoadedModel) -> str | None:
     try:
         if meta.task == "image":
             size = int(meta.preprocess["image_size"])
-            inputs: tuple[torch.Tensor, ...] = (torch.zeros(1, 3, size, size),)
-            mask = None
+            inputs: Inputs = ImageInputs(torch.zeros(1, 3, size, size))
         else:
-            ids = torch.zeros(1, 4, dtype=torch.long)
-            mask = torch.ones(1, 4, dtype=torch.bool)
-            inputs = (ids, mask)
-        with torch.inference_mode(), inference_precision(net, precision):  # type: ignore[arg-type]
-            ex = explain(net, inputs, None, mask, model.grid, model.query)  # type: ignore[arg-type]
-        if not bool(torch.isfinite(ex.relevance.float()).all()):
+            inputs = TextInputs(torch.zeros(1, 4, dtype=torch.long),
+                                torch.ones(1, 4, dtype=torch.bool))
+        res = explain_batch(net, inputs, ExplainSpec(relevance=True), model.forwards)
+        assert res.relevance is not None
+        if not bool(torch.isfinite(res.relevance).all()):
             return "the relevance pass gives non-finite values"
     except Exception as e:  # noqa: BLE001 (any failure means: no relevance for this model)
         log.debug("relevance probe failed", exc_info=True)
