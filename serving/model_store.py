@@ -37,9 +37,9 @@ from serving.metrics import ServingMetrics
 from vit_service import tracking
 from vit_service.bundle import META, WEIGHTS, ModelBundle, load_bundle
 from vit_service.config import Settings
+from vit_service.execution import resolve_execution
 from vit_service.models import set_fused_attn
 from vit_service.pipeline import model_grid, model_query
-from vit_service.precision import resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -303,13 +303,14 @@ class ModelStore:
         finally:
             if tmp is not None:  # weights and tokenizer are in memory now
                 shutil.rmtree(tmp, ignore_errors=True)
-        set_fused_attn(bundle.model, True)  # fast path unless attention maps are asked for
+        # at rest on the fused path (fp32's); a bf16 execution switches it for its blocks
+        set_fused_attn(bundle.model, True)
         for p in bundle.model.parameters():
             p.requires_grad_(False)
-        precision = resolve_precision(self.settings.inference_precision)
+        execution = resolve_execution("serve", precision=self.settings.inference_precision)
         forwards = (trace_forwards(bundle.model, bundle.meta.task, bundle.meta.preprocess, name,
-                                   precision)
-                    if self.settings.trace_forwards else eager_forwards(bundle.model, precision))
+                                   execution)
+                    if self.settings.trace_forwards else eager_forwards(bundle.model, execution))
         loaded = LoadedModel(
             name=name, source=source, bundle=bundle, resolved=resolved,
             run_url=self._run_url(resolved.run_id),

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from vit_service.attention_maps import AttentionMaps, Query, compute_attention_maps
+from vit_service.execution import Execution, Precision
 from vit_service.explain import (
     FaithfulnessSummary,
     explain,
@@ -28,7 +29,6 @@ from vit_service.explain import (
     summarise_faithfulness,
     text_probs_fn,
 )
-from vit_service.precision import Precision, inference_precision
 
 
 class ForwardPath(Enum):
@@ -67,12 +67,17 @@ class ExplainSpec:
 class Forwards:
     """What a batch's forward calls: ``plain(*inputs) -> logits`` and
     ``with_attention(*inputs) -> (logits, attn (L, B, H, T, T))``, both fp32 whatever
-    ``precision`` they run in (``serving.compiled`` traces them)."""
+    ``execution`` they run in (``serving.compiled`` traces them); relevance and faithfulness
+    run in that execution too."""
 
     plain: Callable[..., Tensor]
     with_attention: Callable[..., tuple[Tensor, Tensor]]
     traced: bool
-    precision: Precision = "fp32"
+    execution: Execution = Execution.serving("fp32")
+
+    @property
+    def precision(self) -> Precision:
+        return self.execution.precision
 
     @classmethod
     def eager(cls, model: nn.Module) -> Forwards:
@@ -198,7 +203,7 @@ def explain_batch(
     rel = target = None
     with torch.inference_mode():
         if path is ForwardPath.RELEVANCE:  # in the served precision: the plain path's probs
-            with inference_precision(model, fwd.precision):
+            with fwd.execution.applied(model):
                 ex = explain(model, inputs.tensors, requested, mask, grid, query)
             logits, target = ex.logits, ex.target
             attn, rel = ex.attn.float(), ex.relevance.float()
@@ -220,20 +225,20 @@ def explain_batch(
         explained = target if target is not None else torch.where(
             requested < 0, probs.argmax(-1), requested)
         result.faithfulness = _faithfulness(model, inputs, result, rows, explained[rows],
-                                            fwd.precision)
+                                            fwd.execution)
         lap("faithfulness")
     return result
 
 
 def _faithfulness(model: nn.Module, inputs: Inputs, res: ExplainResult, rows: list[int],
-                  target: Tensor, precision: Precision) -> dict[int, FaithfulnessSummary]:
+                  target: Tensor, execution: Execution) -> dict[int, FaithfulnessSummary]:
     """Faithfulness of the maps of ``rows`` (relevance exists only on the gradient path)."""
     assert res.maps is not None
     p_full = res.probs[rows].gather(1, target[:, None])[:, 0]  # (n,)
     maps = {"rollout": res.maps.rollout[rows].reshape(len(rows), -1)}  # each (n, N)
     if res.relevance is not None:
         maps["relevance"] = res.relevance[rows].reshape(len(rows), -1)
-    with torch.inference_mode(), inference_precision(model, precision):
+    with torch.inference_mode(), execution.applied(model):
         curves = faithfulness_curves(maps, inputs.valid(model)[rows],
                                      inputs.probs_fn(model, rows, target), p_full)
     return {row: summarise_faithfulness(curves, k, int(target[k]), inputs.removal)

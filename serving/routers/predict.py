@@ -114,7 +114,7 @@ def _body(out: JobOutput) -> bytes:
     without validation from what the inference thread computed and written by orjson (the
     route's ``response_model`` documents it; the tests validate every kind of answer against
     it): pydantic's validate + dump of the same answer costs the event loop far more
-    (docs/serving.md, "Where the time goes")."""
+    (docs/serving.md, "Now: answers encoded by orjson")."""
     info = out.model.info()
     kind = ImagePredictResponse if info["task"] == "image" else TextPredictResponse
     answer = kind.model_construct(model=ModelInfo.model_construct(**info), results=out.results)
@@ -128,7 +128,7 @@ def _respond(service: InferenceService, name: str, out: JobOutput) -> Response:
     return resp
 
 
-INLINE_DECODE_PIXELS = 256 * 256  # smaller images are decoded on the event loop (< ~1 ms)
+INLINE_DECODE_PIXELS = 256 * 256  # smaller images are decoded on the event loop (cheap)
 OVERLAY_MIN_SIDE = 256  # an overlay is drawn on the image decoded at least this large
 
 
@@ -259,8 +259,8 @@ async def predict_text(
     served = loaded_model(store, name, "text")
     spec = build_spec(body.attention, body.faithfulness, body.target, served.class_names)
     check_relevance(served, spec)
-    service.admit(lane_of(spec), len(texts))
-    check_explain_size(spec, len(texts), settings.max_explain_items, "texts")
+    check_explain_size(spec, len(texts), settings.max_explain_items, "texts")  # 422 first:
+    service.admit(lane_of(spec), len(texts))  # an invalid request is never a 503 under load
     out = await service.predict(name, TextJob(texts, body.top_k, spec,
                                               body.encoding is AttentionEncoding.f16_base64))
     return _respond(service, name, out)
