@@ -10,8 +10,9 @@ While a batch runs, new jobs queue up, so under load batches grow by themselves 
 Adaptive wait (``adaptive=True``, the server's default): the window is only opened when another
 request is expected inside it, i.e. when the recent gap between submissions (an exponential
 moving average) is at most ``max_wait_ms``. A lone request, or a client that sends one request
-at a time, then waits ~0 instead of the whole window (at c = 1 the fixed 2 ms window was 2.3 of
-~14 ms per request, docs/serving.md), while a dense stream still fills its batches.
+at a time, then waits ~0 instead of the whole window (at low concurrency a fixed window is a
+large share of each request's time, docs/serving.md), while a dense stream still fills its
+batches.
 """
 
 from __future__ import annotations

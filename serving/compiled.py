@@ -1,11 +1,9 @@
 """Traced (TorchScript) forwards for serving, made and checked when a model is loaded.
 
 Why: a worker's inference thread shares the GIL with its event loop, and eager PyTorch takes the
-GIL back after every op (a 6-layer ViT forward is a few hundred of them). Measured on the shipped
-``cifar10-vit-cpu`` model, batch 8, one thread (``benchmarks/bench_traced.py``; docs/serving.md,
-"Traced forwards"): eager fused / attention 57.6 / 62.8 ms alone and 68.7 / 77.2 ms beside a
-thread doing Python work; traced 52.5 / 51.3 ms alone and 42.8 / 52.0 ms beside it. A traced
-graph runs its ops in C++ without going back to Python between them.
+GIL back after every op (a 6-layer ViT forward is a few hundred of them); a traced graph runs
+its ops in C++ without going back to Python between them (``benchmarks/bench_traced.py``;
+docs/serving.md, "Traced forwards").
 
 Both serving paths are traced (the fused forward, and ``forward_with_attention``, which returns
 the weights of the same pass); relevance (a backward pass) stays eager. The traces are checked
@@ -13,13 +11,11 @@ against the eager model on two batch sizes (and, for text, two lengths and paddi
 are used: a trace that fails or disagrees (more than 1e-4) is dropped with a warning and the
 model is served eagerly, so tracing can cost speed but never answers.
 
-In bf16 (:mod:`vit_service.precision`: autocast on the explicit attention path, the default on
-a CPU with native bf16) the traces are recorded under autocast with TorchScript's own autocast
-pass off, so the casts are baked into the graph; they are checked against the eager model
-under the same autocast. Measured on the AVX-512 BF16 CPU, served ``cifar10-vit`` conv-stem
-model, batch 32, flip TTA, 2 threads: traced bf16 625 img/s against eager bf16 537, traced fp32
-321 and eager fp32 299 (with the attention weights: 598 / 540 / 304). Both callables return
-fp32 tensors whatever the precision.
+In bf16 (:class:`vit_service.execution.Execution`: autocast on the explicit attention path,
+the default on a CPU with native bf16) the traces are recorded under autocast with
+TorchScript's own autocast pass off, so the casts are baked into the graph (docs/serving.md,
+"bf16 forward"); they are checked against the eager model under the same autocast. Both
+callables return fp32 tensors whatever the precision.
 """
 
 from __future__ import annotations
@@ -28,28 +24,17 @@ import logging
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from vit_service.precision import Precision, inference_precision
+from vit_service.execution import Execution, Precision
+from vit_service.pipeline import Forwards
 
 log = logging.getLogger(__name__)
 
 TOLERANCE = 1e-4  # max |traced - eager| on logits and weights at load
-
-
-@dataclass(frozen=True)
-class Forwards:
-    """What the inference thread calls: ``plain(*inputs) -> logits`` and
-    ``with_attention(*inputs) -> (logits, attn (L, B, H, T, T))``."""
-
-    plain: Callable[..., Tensor]
-    with_attention: Callable[..., tuple[Tensor, Tensor]]
-    traced: bool
-    precision: Precision = "fp32"
 
 
 class _WithAttention(nn.Module):
@@ -61,27 +46,32 @@ class _WithAttention(nn.Module):
         return self.model.forward_with_attention(*inputs)
 
 
-def eager_forwards(model: nn.Module, precision: Precision = "fp32") -> Forwards:
-    if precision == "fp32":
-        return Forwards(model, model.forward_with_attention, False)
+def _execution(precision: Precision | Execution) -> Execution:
+    return precision if isinstance(precision, Execution) else Execution.serving(precision)
+
+
+def eager_forwards(model: nn.Module, precision: Precision | Execution = "fp32") -> Forwards:
+    ex = _execution(precision)
+    if ex.dtype is None:  # the model as loaded: the fused path
+        return Forwards.eager(model)
 
     def plain(*inputs: Tensor) -> Tensor:
-        with inference_precision(model, precision):
+        with ex.applied(model):
             return model(*inputs).float()
 
     def with_attention(*inputs: Tensor) -> tuple[Tensor, Tensor]:
-        with inference_precision(model, precision):
+        with ex.applied(model):
             logits, attn = model.forward_with_attention(*inputs)
         return logits.float(), attn.float()
 
-    return Forwards(plain, with_attention, False, precision)
+    return Forwards(plain, with_attention, False, ex)
 
 
 def _as_fp32(plain: Callable[..., Tensor], attn: Callable[..., tuple[Tensor, Tensor]],
-             precision: Precision) -> Forwards:
+             ex: Execution) -> Forwards:
     """Traced callables whose outputs are fp32 (a bf16 trace returns bf16)."""
-    if precision == "fp32":
-        return Forwards(plain, attn, True)
+    if ex.dtype is None:
+        return Forwards(plain, attn, True, ex)
 
     def plain32(*inputs: Tensor) -> Tensor:
         return plain(*inputs).float()
@@ -90,19 +80,19 @@ def _as_fp32(plain: Callable[..., Tensor], attn: Callable[..., tuple[Tensor, Ten
         logits, w = attn(*inputs)
         return logits.float(), w.float()
 
-    return Forwards(plain32, attn32, True, precision)
+    return Forwards(plain32, attn32, True, ex)
 
 
 @contextmanager
-def _tracing(model: nn.Module, precision: Precision) -> Iterator[None]:
-    """Record a trace in ``precision``: for bf16, under autocast with TorchScript's autocast
-    pass off (a global switch, restored), so that the trace holds the casts themselves."""
-    if precision == "fp32":
+def _tracing(model: nn.Module, ex: Execution) -> Iterator[None]:
+    """Record a trace in ``ex``: under autocast, with TorchScript's autocast pass off (a global
+    switch, restored), so that the trace holds the casts themselves."""
+    if ex.dtype is None:
         yield
         return
     before = torch._C._jit_set_autocast_mode(False)
     try:
-        with inference_precision(model, precision):
+        with ex.applied(model):
             yield
     finally:
         torch._C._jit_set_autocast_mode(before)
@@ -133,22 +123,24 @@ def _max_diff(a: Tensor | tuple[Tensor, ...], b: Tensor | tuple[Tensor, ...]) ->
 
 
 def trace_forwards(model: nn.Module, task: str, meta_preprocess: dict[str, Any],
-                   name: str = "model", precision: Precision = "fp32") -> Forwards:
+                   name: str = "model", precision: Precision | Execution = "fp32"
+                   ) -> Forwards:
     """Traced forwards of ``model`` (in eval mode, parameters frozen) in ``precision``, or the
     eager ones when tracing fails or the traces disagree with the model, run eagerly in the
     same precision, on the check inputs."""
-    eager = eager_forwards(model, precision)
+    ex = _execution(precision)
+    eager = eager_forwards(model, ex)
     try:
         examples = _examples(model, task, meta_preprocess)
-        with torch.no_grad(), warnings.catch_warnings(), _tracing(model, precision):
+        with torch.no_grad(), warnings.catch_warnings(), _tracing(model, ex):
             warnings.simplefilter("ignore")  # TracerWarnings: the checks below decide
             plain = torch.jit.trace(model, examples[0], check_trace=False)
             attn = torch.jit.trace(_WithAttention(model), examples[0], check_trace=False)
-        traced = _as_fp32(plain, attn, precision)
+        traced = _as_fp32(plain, attn, ex)
         with torch.inference_mode():
-            worst = max(max(_max_diff(traced.plain(*ex), eager.plain(*ex)),
-                            _max_diff(traced.with_attention(*ex), eager.with_attention(*ex)))
-                        for ex in examples)
+            worst = max(max(_max_diff(traced.plain(*x), eager.plain(*x)),
+                            _max_diff(traced.with_attention(*x), eager.with_attention(*x)))
+                        for x in examples)
     except Exception as e:  # noqa: BLE001 - any failure means: serve eagerly
         log.warning("%s: no traced forward (%s: %s); serving the eager model", name,
                     type(e).__name__, e)
@@ -157,5 +149,5 @@ def trace_forwards(model: nn.Module, task: str, meta_preprocess: dict[str, Any],
         log.warning("%s: the traced forward differs from the model by %.2g; serving the eager "
                     "model", name, worst)
         return eager
-    log.info("%s: traced %s forwards checked (max difference %.1g)", name, precision, worst)
+    log.info("%s: traced %s forwards checked (max difference %.1g)", name, ex.precision, worst)
     return traced

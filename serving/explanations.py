@@ -1,44 +1,22 @@
-"""What a prediction request asks to be explained, and the faithfulness block of its answer.
+"""What a prediction request asks to be explained, validated before it is queued.
 
-The request side (:class:`ExplainSpec`) is validated here, before the request is queued, so a
-bad combination is a 422 and never reaches the inference thread. The maths lives in
-:mod:`vit_service.explain`; this module only turns its tensors into response dicts.
+A request's options become an :class:`ExplainSpec` (:mod:`vit_service.pipeline`) here, so a bad
+combination is a 422 and never reaches the inference thread. The maths lives in
+:mod:`vit_service.explain` and :mod:`vit_service.pipeline`; the answer is formatted by
+:mod:`serving.codecs`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
-
-from torch import Tensor
 
 from serving.errors import InvalidRequestError
 from serving.schemas import AttentionKind
-from vit_service.explain import Curves
+from vit_service.pipeline import ExplainSpec
 
-
-@dataclass(frozen=True)
-class ExplainSpec:
-    """``maps``: any attention at all (else the fused fast path); ``heads``: per-head maps;
-    ``relevance``: the gradient pass; ``faithfulness``: deletion/insertion curves; ``target``:
-    the class index to explain (None: the predicted class)."""
-
-    maps: bool = True
-    heads: bool = False
-    relevance: bool = False
-    faithfulness: bool = False
-    target: int | None = None
-
-    @property
-    def path(self) -> int:
-        """Forward path: 0 fused (no maps), 1 explicit attention, 2 explicit + gradients."""
-        return 2 if self.relevance else int(self.maps)
-
-    @property
-    def primary(self) -> str:
-        """The single map an overlay draws: relevance when asked for, else rollout."""
-        return "relevance" if self.relevance else "rollout"
+__all__ = ["ExplainSpec", "build_spec", "check_explain_size", "check_relevance",
+           "relevance_refused", "resolve_target"]
 
 
 def resolve_target(target: str | int | None, class_names: list[str]) -> int | None:
@@ -100,42 +78,3 @@ def check_relevance(model: Any, spec: ExplainSpec) -> None:
     reason = model.relevance_unavailable
     if spec.relevance and reason is not None:
         raise relevance_refused(model.name, reason)
-
-
-def faithfulness_dict(
-    curves: dict[str, Curves], row: int, target: int, class_names: list[str], removal: str
-) -> dict[str, Any]:
-    """One item's :class:`serving.schemas.Faithfulness` fields from batched curves."""
-    maps = {
-        name: {
-            "deletion": c.deletion[row].tolist(),
-            "insertion": c.insertion[row].tolist(),
-            "deletion_auc": float(c.deletion_auc[row]),
-            "insertion_auc": float(c.insertion_auc[row]),
-        }
-        for name, c in curves.items()
-    }
-    rand = maps["random"]["deletion_auc"]
-    if rand <= 1e-9:  # nothing to remove (no real token) or a class at probability 0
-        ratio = {n: 1.0 for n in maps if n != "random"}
-    else:
-        ratio = {n: m["deletion_auc"] / rand for n, m in maps.items() if n != "random"}
-    best = min(ratio, key=ratio.__getitem__) if ratio else "random"
-    return {
-        "target": {"label": class_names[target], "index": target},
-        "fractions": curves["random"].fractions[row].tolist(),
-        "removal": removal,
-        "maps": maps,
-        "deletion_ratio": ratio,
-        "most_faithful": best if ratio.get(best, 1.0) < 1.0 else "random",
-    }
-
-
-def scored_maps(rollout: Tensor, relevance: Tensor | None, rows: list[int]
-                ) -> dict[str, Tensor]:
-    """The maps faithfulness scores for the items ``rows`` of a batch, each ``(n, N)``
-    (relevance exists only on the gradient path, i.e. when it was asked for)."""
-    out = {"rollout": rollout[rows].reshape(len(rows), -1)}
-    if relevance is not None:
-        out["relevance"] = relevance[rows].reshape(len(rows), -1)
-    return out

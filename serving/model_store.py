@@ -37,8 +37,9 @@ from serving.metrics import ServingMetrics
 from vit_service import tracking
 from vit_service.bundle import META, WEIGHTS, ModelBundle, load_bundle
 from vit_service.config import Settings
+from vit_service.execution import resolve_execution
 from vit_service.models import set_fused_attn
-from vit_service.precision import resolve_precision
+from vit_service.pipeline import model_grid, model_query
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +123,11 @@ class LoadedModel:
     @property
     def query(self) -> str:
         """Whose attention row the maps read: ``cls``, or ``mean`` for a mean-pooling model."""
-        return "mean" if getattr(self.bundle.model.config, "pool", "cls") == "mean" else "cls"
+        return model_query(self.bundle.model)
 
     @property
     def grid(self) -> tuple[int, int] | None:
-        cfg = getattr(self.bundle.model, "config", None)
-        grid = getattr(cfg, "grid_size", None)
-        return (int(grid[0]), int(grid[1])) if grid is not None else None
+        return model_grid(self.bundle.model)
 
     def info(self) -> dict[str, Any]:
         """Fields of :class:`serving.schemas.ModelInfo`."""
@@ -304,13 +303,14 @@ class ModelStore:
         finally:
             if tmp is not None:  # weights and tokenizer are in memory now
                 shutil.rmtree(tmp, ignore_errors=True)
-        set_fused_attn(bundle.model, True)  # fast path unless attention maps are asked for
+        # at rest on the fused path (fp32's); a bf16 execution switches it for its blocks
+        set_fused_attn(bundle.model, True)
         for p in bundle.model.parameters():
             p.requires_grad_(False)
-        precision = resolve_precision(self.settings.inference_precision)
+        execution = resolve_execution("serve", precision=self.settings.inference_precision)
         forwards = (trace_forwards(bundle.model, bundle.meta.task, bundle.meta.preprocess, name,
-                                   precision)
-                    if self.settings.trace_forwards else eager_forwards(bundle.model, precision))
+                                   execution)
+                    if self.settings.trace_forwards else eager_forwards(bundle.model, execution))
         loaded = LoadedModel(
             name=name, source=source, bundle=bundle, resolved=resolved,
             run_url=self._run_url(resolved.run_id),
@@ -342,8 +342,7 @@ def probe_relevance(model: LoadedModel) -> str | None:
     """Run the relevance pass once on a blank input, as a request would (served precision,
     the model's grid and query row, inference mode): None if it works, else why not, in a
     sentence for the model card and the 422 a request for relevance then gets."""
-    from vit_service.explain import explain
-    from vit_service.precision import inference_precision
+    from vit_service.pipeline import ExplainSpec, ImageInputs, Inputs, TextInputs, explain_batch
 
     net, meta, precision = model.bundle.model, model.bundle.meta, model.precision
     if not hasattr(net, "attention_graph"):
@@ -351,15 +350,13 @@ def probe_relevance(model: LoadedModel) -> str | None:
     try:
         if meta.task == "image":
             size = int(meta.preprocess["image_size"])
-            inputs: tuple[torch.Tensor, ...] = (torch.zeros(1, 3, size, size),)
-            mask = None
+            inputs: Inputs = ImageInputs(torch.zeros(1, 3, size, size))
         else:
-            ids = torch.zeros(1, 4, dtype=torch.long)
-            mask = torch.ones(1, 4, dtype=torch.bool)
-            inputs = (ids, mask)
-        with torch.inference_mode(), inference_precision(net, precision):  # type: ignore[arg-type]
-            ex = explain(net, inputs, None, mask, model.grid, model.query)  # type: ignore[arg-type]
-        if not bool(torch.isfinite(ex.relevance.float()).all()):
+            inputs = TextInputs(torch.zeros(1, 4, dtype=torch.long),
+                                torch.ones(1, 4, dtype=torch.bool))
+        res = explain_batch(net, inputs, ExplainSpec(relevance=True), model.forwards)
+        assert res.relevance is not None
+        if not bool(torch.isfinite(res.relevance).all()):
             return "the relevance pass gives non-finite values"
     except Exception as e:  # noqa: BLE001 (any failure means: no relevance for this model)
         log.debug("relevance probe failed", exc_info=True)

@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 
 
 def default_workers() -> int:
-    """One process per core (one torch thread each), at most 4: on 2 cores, 2 workers gave
-    1.25x the throughput of one at c = 32 (docs/serving.md, "Benchmark"), at ~0.8 GB each."""
+    """One process per core (one torch thread each), at most 4: a worker per core outruns one
+    worker with more threads, at a worker's memory each (docs/serving.md, "Benchmark")."""
     return max(1, min(4, os.cpu_count() or 1))
 
 

@@ -1,10 +1,10 @@
 """Listening sockets for ``serve --workers N``: one ``SO_REUSEPORT`` socket per worker.
 
 With one socket shared by the workers, whichever worker is idle in ``accept`` at the moment
-takes a new connection, and keep-alive clients stay where they landed (measured: 32 ``hey``
-connections split 32/0, 25/7, 1/31 over 2 workers). On Linux every worker therefore listens on
-a socket of its own, all bound with ``SO_REUSEPORT``, and the kernel spreads new connections over
-them by a hash of the client's address and port.
+takes a new connection, and keep-alive clients stay where they landed, so the split between
+workers can be as lopsided as all-to-one (docs/serving.md). On Linux every worker therefore
+listens on a socket of its own, all bound with ``SO_REUSEPORT``, and the kernel spreads new
+connections over them by a hash of the client's address and port.
 
 Standard library only: the supervisor imports this (and a spawned worker unpickles it) before
 anything heavy is loaded.

@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vit_service.models.layers import attention_path
-from vit_service.precision import Precision, autocast_dtype, resolve_precision
+from vit_service.execution import Execution, Precision, resolve_execution
 
 log = logging.getLogger(__name__)
 
@@ -175,20 +174,24 @@ def evaluate_bundle(
                 mask = torch.arange(T)[None, :] < torch.from_numpy(lengths[o])[:, None]
                 yield _B((x, mask.to(dev)), torch.from_numpy(labels[rows[o]]).to(dev))
 
-    prec = resolve_precision(precision, dev)
-    log.info("evaluating %s on %s (%d examples, %s)", model_ref, split, len(rows), prec)
+    execution = resolve_execution("serve", dev, precision=precision)
+    log.info("evaluating %s on %s (%d examples, %s)", model_ref, split, len(rows),
+             execution.precision)
     return evaluate_in_precision(b.model, batches(), lambda m, bb: m(*bb.inputs),
-                                 b.meta.class_names, dev, prec)
+                                 b.meta.class_names, dev, execution)
 
 
 def evaluate_in_precision(model: nn.Module, batches: Iterable[Any],
                           forward: Callable[[nn.Module, Any], Tensor], class_names: list[str],
-                          device: torch.device, precision: Precision) -> EvalResult:
+                          device: torch.device, precision: Precision | Execution
+                          ) -> EvalResult:
     """:func:`evaluate_batches` with the model run as the server runs it in ``precision``
-    (bf16: autocast on the explicit attention path; fp32: the fused path)."""
-    with attention_path(model, fused=precision == "fp32"):
-        return evaluate_batches(model, batches, forward, class_names, device,
-                                autocast_dtype(precision))
+    (an :class:`Execution`, or a resolved precision: bf16 autocast on the explicit attention
+    path, fp32 on the fused path)."""
+    ex = (precision if isinstance(precision, Execution)
+          else Execution.serving(precision, device.type))
+    with ex.applied(model):
+        return evaluate_batches(model, batches, forward, class_names, device, ex.dtype)
 
 
 def bundle_val_rows(meta: Any, labels: np.ndarray) -> np.ndarray:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from training.objectives import pretrain_loss
 from training.recipes import Recipe
 from training.tasks import Batch, Task
+from vit_service.execution import fused_attention_for, resolve_execution
 from vit_service.hardware import cpu_has_native_bf16
 
 log = logging.getLogger(__name__)
@@ -35,32 +36,19 @@ def freeze_encoder(model: nn.Module) -> int:
 
 def training_precision(recipe: Recipe, device: torch.device
                        ) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """Autocast dtypes ``(training step, evaluation)``; ``None`` is fp32. CUDA: bf16 for both
-    when ``amp``. CPU: bf16 for the training step when ``cpu_bf16`` and the CPU computes bf16
-    in hardware; evaluation stays fp32 there, since that is what serving runs."""
-    if device.type == "cuda":
-        dtype = torch.bfloat16 if recipe.amp else None
-        return dtype, dtype
-    if device.type == "cpu" and recipe.cpu_bf16:
-        if cpu_has_native_bf16():
-            return torch.bfloat16, None
-        log.warning("cpu_bf16: this CPU has no native bf16 (AVX-512 BF16 / AMX): training "
-                    "in fp32")
-    return None, None
+    """Autocast dtypes ``(training step, evaluation)``; ``None`` is fp32
+    (:func:`vit_service.execution.resolve_execution`, purposes ``train`` and ``validate``)."""
+    train = resolve_execution("train", device, amp=recipe.amp, cpu_bf16=recipe.cpu_bf16,
+                              attention=recipe.attention, native_bf16=cpu_has_native_bf16)
+    return train.dtype, resolve_execution("validate", device, amp=recipe.amp).dtype
 
 
 def use_fused_attention(choice: str, device: torch.device, amp_dtype: torch.dtype | None
                         ) -> bool:
-    """``recipe.attention`` -> does the training forward take the fused path? ``auto``: fused,
-    except for a bf16 step on the CPU: there PyTorch's flash kernel is slow for these short
-    sequences and its bf16 backward far slower (fwd + bwd of one layer, B x H x T x D =
-    128x4x33x32: fused 35 ms, explicit 5.7 ms; 32x2x320x64: 72 vs 29 ms; docs/training.md).
-    In fp32 on the CPU the two paths measured within noise of each other, so fp32 keeps the
-    fused one. Evaluation takes the fused path in fp32 (``_Run.evaluate``; intermediate passes
-    with ``val_precision: served`` the explicit bf16 one, as served)."""
-    if choice == "auto":
-        return not (device.type == "cpu" and amp_dtype is not None)
-    return choice == "fused"
+    """``recipe.attention`` -> does the training forward take the fused path?
+    (:func:`vit_service.execution.fused_attention_for`; evaluation takes the fused path in fp32,
+    intermediate passes with ``val_precision: served`` the explicit bf16 one, as served)."""
+    return fused_attention_for(choice, device.type, amp_dtype)
 
 
 def soft_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:

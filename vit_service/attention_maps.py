@@ -297,7 +297,7 @@ def _chunk(tag: bytes, data: bytes) -> bytes:
 def png_bytes(rgb: np.ndarray, level: int = 1) -> bytes:
     """``(h, w, 3)`` uint8 -> an 8-bit RGB PNG. Every row uses the "Up" filter (the byte
     difference to the row above), then zlib at ``level``: on a smooth overlay about as small as
-    PIL's adaptive filters at level 6 and 3-8x faster (measured in docs/serving.md)."""
+    PIL's adaptive filters at level 6, and much faster (docs/serving.md)."""
     if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
         raise ValueError(f"expected (h, w, 3) uint8, got {rgb.dtype} {rgb.shape}")
     h, w, _ = rgb.shape

@@ -225,6 +225,46 @@ def faithfulness_curves(
     return out
 
 
+@dataclass(frozen=True)
+class CurveSummary:
+    """One map's curves for one item, as plain values."""
+
+    deletion: list[float]
+    insertion: list[float]
+    deletion_auc: float
+    insertion_auc: float
+
+
+@dataclass(frozen=True)
+class FaithfulnessSummary:
+    """One item's faithfulness: the explained class, the fractions removed, each map's curves
+    (``random`` included), each map's deletion AUC over random's (below 1 beats chance) and
+    the most faithful map (``random`` if none beats chance)."""
+
+    target: int
+    fractions: list[float]
+    removal: str
+    maps: dict[str, CurveSummary]
+    deletion_ratio: dict[str, float]
+    most_faithful: str
+
+
+def summarise_faithfulness(curves: dict[str, Curves], row: int, target: int, removal: str
+                           ) -> FaithfulnessSummary:
+    """Item ``row`` of batched curves (see :func:`faithfulness_curves`) as plain values."""
+    maps = {name: CurveSummary(c.deletion[row].tolist(), c.insertion[row].tolist(),
+                               float(c.deletion_auc[row]), float(c.insertion_auc[row]))
+            for name, c in curves.items()}
+    rand = maps["random"].deletion_auc
+    if rand <= 1e-9:  # nothing to remove (no real token) or a class at probability 0
+        ratio = {n: 1.0 for n in maps if n != "random"}
+    else:
+        ratio = {n: m.deletion_auc / rand for n, m in maps.items() if n != "random"}
+    best = min(ratio, key=ratio.__getitem__) if ratio else "random"
+    return FaithfulnessSummary(target, curves["random"].fractions[row].tolist(), removal, maps,
+                               ratio, best if ratio.get(best, 1.0) < 1.0 else "random")
+
+
 def _batched_probs(
     forward: Callable[[int, int], Tensor], total: int, target: Tensor, per_item: int,
     chunk: int,

@@ -5,12 +5,12 @@ from datetime import datetime, timezone
 
 import torch
 
-from serving.explanations import ExplainSpec
-from serving.inference import TextJob, run_text_jobs
+from serving.inference import TextJob, run_jobs
 from serving.model_store import LoadedModel, Resolved
 from vit_service.bundle import BundleMeta, ModelBundle
 from vit_service.data.tokenizer import TextTokenizer
 from vit_service.models import config_to_dict, create_model
+from vit_service.pipeline import ExplainSpec
 
 WORDS = [f"w{i}" for i in range(40)]
 
@@ -31,9 +31,9 @@ def test_served_text_is_truncated_as_the_model_was_trained() -> None:
     text = " ".join(WORDS)
     for truncation, expected in (("head", WORDS[:11]), ("head_tail", WORDS[:2] + WORDS[-9:])):
         model = _loaded(truncation)
-        out = run_text_jobs(model, [TextJob([text], 2, ExplainSpec())])[0]
+        out = run_jobs(model, [TextJob([text], 2, ExplainSpec())])[0]
         res = out.results[0]
-        assert res["tokens"] == expected and res["truncated"] is True
+        assert res.tokens == expected and res.truncated is True
         assert model.query == "mean"
 
 
@@ -46,7 +46,7 @@ def test_mean_pooling_models_read_the_mean_token_row() -> None:
     with torch.no_grad():
         _, attn = net.forward_with_attention(enc.input_ids, enc.attention_mask)
     want = attention_rollout(attn, attention_mask=enc.attention_mask, query="mean")[0]
-    out = run_text_jobs(model, [TextJob(["w1 w2 w3 w4"], 2, ExplainSpec())])[0]
-    got = torch.tensor(out.results[0]["attention"]["rollout"])
+    out = run_jobs(model, [TextJob(["w1 w2 w3 w4"], 2, ExplainSpec())])[0]
+    got = torch.tensor(out.results[0].attention.rollout)
     assert torch.allclose(got, want, atol=1e-5)
     assert _loaded("head", pool="cls").query == "cls"
