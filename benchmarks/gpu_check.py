@@ -125,7 +125,7 @@ def train_flops_per_item(run: Any) -> dict[str, Any]:
     from training.objectives import pretrain_loss
     from training.step import soft_cross_entropy
 
-    task, dev, amp = run.task, run.setup.device, run.setup.amp_dtype
+    task, dev, amp = run.task, run.setup.device, run.setup.execution.dtype
     model = copy.deepcopy(run.model).train()
     devices = [torch.cuda.current_device()] if dev.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):

@@ -36,11 +36,12 @@ from training.recipes import Recipe
 from training.reporting import MlflowRun
 from training.resolution import ResolutionSchedule
 from training.run_state import Trainables
-from training.step import freeze_encoder, seed_everything, training_precision, use_fused_attention
+from training.step import freeze_encoder, seed_everything
 from training.tasks import Task, build_task
 from vit_service.config import Settings
 from vit_service.data.tokenizer import TextTokenizer
-from vit_service.hardware import has_cxx_compiler, machine_params
+from vit_service.execution import Execution, resolve_execution
+from vit_service.hardware import cpu_has_native_bf16, has_cxx_compiler, machine_params
 from vit_service.models import config_to_dict, count_parameters
 from vit_service.models.layers import set_fused_attn
 
@@ -59,9 +60,7 @@ class RunSetup:
     lineage: Lineage  # where the initial weights came from
     init_source: InitSource | None  # a pretrained encoder's source (None: scratch or resume)
     resolution: ResolutionSchedule | None  # progressive resizing
-    amp_dtype: torch.dtype | None  # the training step's autocast dtype (None: fp32)
-    eval_amp_dtype: torch.dtype | None  # the fp32-or-not of the reported validation
-    fused_attn: bool  # the attention path of the training forward
+    execution: Execution  # the training step's autocast dtype and attention path
     steps_per_epoch: int
     warmup_steps: Callable[[int], int]  # total steps -> warm-up steps of such a schedule
     run_name: str
@@ -149,7 +148,8 @@ def build_run(recipe: Recipe, dist: DistInfo, settings: Settings, *,
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         torch.set_float32_matmul_precision("high")
-    amp_dtype, eval_amp_dtype = training_precision(recipe, device)
+    execution = resolve_execution("train", device, amp=recipe.amp, cpu_bf16=recipe.cpu_bf16,
+                                  attention=recipe.attention, native_bf16=cpu_has_native_bf16)
 
     seed_everything(recipe.seed + dist.rank)
     init_source, lineage, tokenizer = _initial_weights(recipe, ckpt, tracking_uri, settings)
@@ -157,8 +157,7 @@ def build_run(recipe: Recipe, dist: DistInfo, settings: Settings, *,
     task = build_task(recipe, dist, data_dir, settings.cache_dir, tokenizer)
     log.info("data ready in %.1fs", time.perf_counter() - t0)
     model, lineage = _build_model(recipe, task, ckpt, init_source, lineage)
-    fused_attn = use_fused_attention(recipe.attention, device, amp_dtype)
-    set_fused_attn(model, fused_attn)
+    set_fused_attn(model, execution.fused_attention)  # the path every step takes
     model = model.to(device)
     o = recipe.optim
     ema = ModelEma(model, o.ema_decay) if o.ema_decay else None
@@ -192,8 +191,8 @@ def build_run(recipe: Recipe, dist: DistInfo, settings: Settings, *,
         recipe=recipe, dist=dist, task=task,
         parts=Trainables(model, ema, optimizer, scheduler, budget),
         model_config=config_to_dict(encoder_of(model).config), lineage=lineage,
-        init_source=init_source, resolution=resolution, amp_dtype=amp_dtype,
-        eval_amp_dtype=eval_amp_dtype, fused_attn=fused_attn, steps_per_epoch=steps_per_epoch,
+        init_source=init_source, resolution=resolution, execution=execution,
+        steps_per_epoch=steps_per_epoch,
         warmup_steps=warmup, run_name=run_name, run_dir=Path(settings.home) / "runs" / run_name,
         progress=progress, mlrun=mlrun, register=register, ckpt=ckpt, started_at=started_at)
 
@@ -227,5 +226,6 @@ def run_params(s: RunSetup, total_steps: int) -> dict[str, Any]:
             "train.world_size": s.dist.world_size,
             "model.n_params": count_parameters(model, trainable_only=False),
             "model.n_trainable": count_parameters(model), "train.device": str(s.device),
-            "train.precision": "bf16" if s.amp_dtype else "fp32",
-            "train.attention": "fused" if s.fused_attn else "explicit", **machine_params()}
+            "train.precision": s.execution.precision,
+            "train.attention": "fused" if s.execution.fused_attention else "explicit",
+            **machine_params()}

@@ -15,10 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from training.objectives import pretrain_loss
-from training.recipes import Recipe
 from training.tasks import Batch, Task
-from vit_service.execution import fused_attention_for, resolve_execution
-from vit_service.hardware import cpu_has_native_bf16
 
 log = logging.getLogger(__name__)
 
@@ -32,23 +29,6 @@ def freeze_encoder(model: nn.Module) -> int:
     if n == 0:
         raise ValueError("freeze_encoder: the model has no head.* parameters")
     return n
-
-
-def training_precision(recipe: Recipe, device: torch.device
-                       ) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """Autocast dtypes ``(training step, evaluation)``; ``None`` is fp32
-    (:func:`vit_service.execution.resolve_execution`, purposes ``train`` and ``validate``)."""
-    train = resolve_execution("train", device, amp=recipe.amp, cpu_bf16=recipe.cpu_bf16,
-                              attention=recipe.attention, native_bf16=cpu_has_native_bf16)
-    return train.dtype, resolve_execution("validate", device, amp=recipe.amp).dtype
-
-
-def use_fused_attention(choice: str, device: torch.device, amp_dtype: torch.dtype | None
-                        ) -> bool:
-    """``recipe.attention`` -> does the training forward take the fused path?
-    (:func:`vit_service.execution.fused_attention_for`; evaluation takes the fused path in fp32,
-    intermediate passes with ``val_precision: served`` the explicit bf16 one, as served)."""
-    return fused_attention_for(choice, device.type, amp_dtype)
 
 
 def soft_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:

@@ -136,7 +136,7 @@ class Trainer:
         self.parts = setup.parts
         self.state = RunState(total_steps=setup.recipe.epochs * setup.steps_per_epoch)
         self.stop = StopFlag()
-        self.validator = Validator(setup.recipe, setup.task, setup.dist, setup.eval_amp_dtype)
+        self.validator = Validator(setup.recipe, setup.task, setup.dist)
         self._loop_start: tuple[float, int] | None = None  # (monotonic s, step) of the loop
         self.budget: BudgetController | None = None
         if self.parts.budget is not None:
@@ -279,7 +279,7 @@ class Trainer:
         log.info("model %s: %.2fM params; %d steps/epoch x %d epochs = %d steps; batch %d on "
                  "%s x%d%s", r.model.name, count_parameters(self.model) / 1e6,
                  s.steps_per_epoch, r.epochs, self.state.total_steps, r.batch_size, s.device,
-                 s.dist.world_size, " (bf16)" if s.amp_dtype else "")
+                 s.dist.world_size, " (bf16)" if s.execution.dtype else "")
         return train_module(self.model, s.dist, r.compile, s.task.kind)
 
     def probe_budget(self) -> None:
@@ -329,7 +329,8 @@ class Trainer:
                 t_data = time.perf_counter() - t0
                 lr = p.scheduler.apply()
                 loss, logits, gnorm = train_step(train_model, p.model, s.task, batch,
-                                                 p.optimizer, r.optim.grad_clip, s.amp_dtype)
+                                                 p.optimizer, r.optim.grad_clip,
+                                                 s.execution.dtype)
                 p.scheduler.step()
                 if p.ema is not None:
                     p.ema.update(p.model)

@@ -18,8 +18,8 @@ from training.evaluate import EvalResult, LossResult, evaluate_batches, evaluate
 from training.objectives import pretrain_eval, pretrain_loss
 from training.recipes import Recipe
 from training.tasks import Task
-from vit_service.models.layers import attention_path
-from vit_service.precision import autocast_dtype, resolve_precision
+from vit_service.execution import Execution, resolve_execution
+from vit_service.precision import Precision, resolve_precision, serving_execution
 
 log = logging.getLogger(__name__)
 
@@ -27,19 +27,29 @@ log = logging.getLogger(__name__)
 class Validator:
     """The validation passes of one run."""
 
-    def __init__(self, recipe: Recipe, task: Task, dist: DistInfo,
-                 eval_amp_dtype: torch.dtype | None) -> None:
-        """``eval_amp_dtype``: the autocast dtype of the fp32-path passes (None: fp32; bf16
-        only where the training step is bf16 on a GPU)."""
+    def __init__(self, recipe: Recipe, task: Task, dist: DistInfo) -> None:
         self.recipe, self.task, self.dist = recipe, task, dist
-        self.eval_amp_dtype = eval_amp_dtype
+
+    @property
+    def served_precision(self) -> Precision:
+        """What the server answers in on this device by default (``inference_precision:
+        auto``, :func:`vit_service.precision.resolve_precision`)."""
+        return resolve_precision("auto", self.dist.device)
+
+    def execution(self, final: bool = True) -> Execution:
+        """How a pass runs: fused, fp32 on the CPU (``validate``:
+        :func:`vit_service.execution.resolve_execution`); ``final=False`` with
+        ``val_precision: served`` as the server answers, where that is bf16."""
+        r, dev = self.recipe, self.dist.device
+        if not final and r.val_precision == "served" and self.served_precision == "bf16":
+            return serving_execution("bf16", dev)
+        return resolve_execution("validate", dev, amp=r.amp)
 
     @property
     def records_bf16_val(self) -> bool:
         """Whether the end measures the validation accuracy as served in bf16: a classifier
         trained on a CPU with native bf16, where the server answers in bf16 by default."""
-        return (not self.recipe.pretraining
-                and resolve_precision("auto", self.dist.device) == "bf16")
+        return not self.recipe.pretraining and self.served_precision == "bf16"
 
     def run(self, model: nn.Module, final: bool = True) -> EvalResult | LossResult:
         """A pass over this rank's share of the split, summed over the ranks. ``final=False``
@@ -48,18 +58,12 @@ class Validator:
         r, dev = self.recipe, self.dist.device
         reduce = (lambda t: all_reduce_sum(t, self.dist)) if self.dist.enabled else None
         if r.pretraining:
-            with torch.autocast(dev.type, dtype=self.eval_amp_dtype or torch.bfloat16,
-                                enabled=self.eval_amp_dtype is not None):
+            with self.execution().autocast():  # attention on the training forward's path
                 return pretrain_eval(self.task, model, r.eval_batch_size, reduce)
-        served = (resolve_precision("auto", dev)
-                  if not final and r.val_precision == "served" else "fp32")
-        # fp32: no weights needed, fused; served bf16: autocast on the explicit path, as
-        # served (vit_service.precision)
-        fused = served == "fp32"
-        dtype = self.eval_amp_dtype if fused else autocast_dtype(served)
-        with attention_path(model, fused=fused):
+        ex = self.execution(final)
+        with ex.applied(model):
             return evaluate_batches(model, self.task.val_batches(r.eval_batch_size),
-                                    self.task.forward, self.task.class_names, dev, dtype,
+                                    self.task.forward, self.task.class_names, dev, ex.dtype,
                                     reduce)
 
     def served(self, model: nn.Module, fp32_acc: float | None) -> EvalResult | None:
@@ -82,7 +86,7 @@ class Validator:
         :meth:`run` runs it (eval mode: all patches, flip TTA; fused); None without
         validation data. Leaves ``model`` in eval mode."""
         t0 = time.perf_counter()
-        with torch.no_grad(), attention_path(model, fused=True):
+        with torch.no_grad(), self.execution().applied(model):
             for batch in self.task.val_batches(self.recipe.eval_batch_size):
                 if self.recipe.pretraining:
                     pretrain_loss(self.task, model, batch)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import json
 import os
@@ -101,7 +102,7 @@ def test_whole_run_with_bf16_autocast_on_cpu(name: str, tmp_path: Path, data_dir
     run = prepare_run(load_recipe(name, {"device": "cpu", "epochs": 1, "attention_samples": 0}),
                       data_dir=data_dir, settings=settings, mlflow_enabled=False,
                       register=False, progress=Progress(json_lines=True, stream=io.StringIO()))
-    run.setup.amp_dtype = BF16
+    run.setup.execution = dataclasses.replace(run.setup.execution, dtype=BF16)
     res = run.run()
     assert res.status == "finished" and res.step == run.setup.steps_per_epoch
     assert res.val_loss is not None and 0 < res.val_loss < 20

@@ -17,11 +17,11 @@ from serving.compiled import trace_forwards
 from training.evaluate import evaluate_batches
 from training.progress import Progress
 from training.recipes import load_recipe
-from training.step import training_precision, use_fused_attention
 from training.trainer import prepare_run
 from vit_service import hardware
 from vit_service.bundle import load_bundle
 from vit_service.config import Settings
+from vit_service.execution import fused_attention_for, resolve_execution
 from vit_service.models import create_model
 from vit_service.models.layers import Attention, attention_path
 from vit_service.precision import resolve_precision
@@ -53,8 +53,17 @@ def _recipe(**overrides: object) -> object:
     return load_recipe("cifar10-smoke", {"device": "cpu", **overrides})
 
 
+def training_precision(recipe: object, device: torch.device
+                       ) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """Autocast dtypes (training step, reported validation) as a run resolves them."""
+    train = resolve_execution("train", device, amp=recipe.amp,  # type: ignore[attr-defined]
+                              cpu_bf16=recipe.cpu_bf16)  # type: ignore[attr-defined]
+    return train.dtype, resolve_execution("validate", device,
+                                          amp=recipe.amp).dtype  # type: ignore[attr-defined]
+
+
 def test_cpu_bf16_trains_in_bf16_and_validates_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("training.step.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("vit_service.execution.cpu_has_native_bf16", lambda: True)
     assert training_precision(_recipe(cpu_bf16=True), CPU) == (BF16, None)
     assert training_precision(_recipe(cpu_bf16=False), CPU) == (None, None)
     # amp is the CUDA switch: it does nothing on the CPU
@@ -63,8 +72,8 @@ def test_cpu_bf16_trains_in_bf16_and_validates_in_fp32(monkeypatch: pytest.Monke
 
 def test_cpu_bf16_falls_back_to_fp32_without_native_bf16(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr("training.step.cpu_has_native_bf16", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="training.step"):
+    monkeypatch.setattr("vit_service.execution.cpu_has_native_bf16", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="vit_service.execution"):
         assert training_precision(_recipe(cpu_bf16=True), CPU) == (None, None)
     assert "no native bf16" in caplog.text
 
@@ -80,7 +89,7 @@ def test_cuda_amp_covers_training_and_evaluation() -> None:
 ])
 def test_attention_choice(choice: str, device: torch.device, amp: torch.dtype | None,
                           fused: bool) -> None:
-    assert use_fused_attention(choice, device, amp) is fused
+    assert fused_attention_for(choice, device.type, amp) is fused
 
 
 def test_attention_path_restores_each_module() -> None:
@@ -102,15 +111,15 @@ def test_cpu_bf16_run_validates_what_the_fp32_bundle_answers(
     """A run with ``cpu_bf16`` on a (pretended) bf16 CPU: its steps run under autocast on the
     explicit attention path (EMA copy included), and the validation figure it reports is the
     fp32 accuracy of the bundle it writes, which is what serving loads."""
-    monkeypatch.setattr("training.step.cpu_has_native_bf16", lambda: True)
-    monkeypatch.setattr("vit_service.precision.cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr("training.setup.cpu_has_native_bf16", lambda: True)  # the trainer's
+    monkeypatch.setattr("vit_service.precision.cpu_has_native_bf16", lambda: False)  # server's
     torch.set_num_threads(1)
     settings = Settings(home=tmp_path / "home", cache_dir=data_dir.parent / "cache")
     recipe = load_recipe("cifar10-smoke", {"device": "cpu", "epochs": 1, "cpu_bf16": True,
                                            "attention_samples": 0, "optim.ema_decay": 0.9})
     run = prepare_run(recipe, data_dir=data_dir, settings=settings, mlflow_enabled=False,
                       register=False, progress=Progress(json_lines=True, stream=io.StringIO()))
-    assert (run.setup.amp_dtype, run.setup.eval_amp_dtype) == (BF16, None)
+    assert (run.setup.execution.dtype, run.validator.execution().dtype) == (BF16, None)
     assert run.parts.ema is not None
     for model in (run.model, run.parts.ema.module):
         attns = [m for m in model.modules() if isinstance(m, Attention)]
