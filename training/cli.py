@@ -80,45 +80,16 @@ def _fail(msg: str) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from training.recipes import RecipeError, load_recipe, parse_overrides
+    from training.recipes import RecipeError
     from vit_service.data import DataNotFoundError
 
     settings = _settings()
-    data_dir = args.data_dir or settings.data_dir
     if args.resume == "if-exists":
         if not args.run_name:
             return _fail("--resume if-exists needs --run-name")
-        from training.checkpoint import find_checkpoint
-
-        try:
-            find_checkpoint(Path(settings.home) / "runs", "auto", args.run_name)
-            args.resume = "auto"
-        except FileNotFoundError:
-            args.resume = None
+        args.resume = "auto" if _has_checkpoint(settings, args.run_name) else None
     try:
-        overrides: dict[str, Any] = parse_overrides(args.overrides)
-        if args.subset is not None:
-            overrides["data.subset"] = args.subset
-        resume_overrides: dict[str, Any] = {}
-        if args.max_steps is not None:
-            resume_overrides["max_steps"] = args.max_steps
-        if args.device is not None:
-            resume_overrides["device"] = args.device
-        recipe = load_recipe(args.recipe, {} if args.resume else {**overrides,
-                                                                    **resume_overrides})
-        if args.resume:
-            # the checkpoint's recipe is used: other keys may only repeat its values (the
-            # command line that started the run, re-run with --resume auto after a kill)
-            fixed = {k: v for k, v in overrides.items() if k not in RESUME_KEYS}
-            if fixed:
-                changed = resume_conflicts(
-                    _checkpoint_recipe(settings, args.resume, args.run_name, recipe.name), fixed)
-                if changed:
-                    raise RecipeError(
-                        "--resume continues the checkpoint's recipe; only execution settings "
-                        f"may change ({', '.join(sorted(RESUME_KEYS))}), other keys only "
-                        "repeat the checkpoint's values", changed)
-            resume_overrides.update({k: v for k, v in overrides.items() if k in RESUME_KEYS})
+        recipe, resume_overrides = _train_recipe(args, settings)
     except (RecipeError, FileNotFoundError) as e:
         return _fail(str(e))
 
@@ -139,15 +110,55 @@ def cmd_train(args: argparse.Namespace) -> int:
     from training.trainer import train
 
     try:
-        result = train(recipe, data_dir=data_dir, run_name=args.run_name, resume=args.resume,
+        result = train(recipe, data_dir=args.data_dir or settings.data_dir,
+                       run_name=args.run_name, resume=args.resume,
                        resume_overrides=resume_overrides, tracking_uri=args.tracking_uri,
                        register=not args.no_register, settings=settings,
                        started_at=launch.started_at_from_env() or process_started_at())
-    except DataNotFoundError as e:
-        return _fail(str(e))
-    except (RecipeError, FileNotFoundError) as e:
+    except (DataNotFoundError, RecipeError, FileNotFoundError) as e:
         return _fail(str(e))
     return result.exit_code
+
+
+def _has_checkpoint(settings: Any, run_name: str) -> bool:
+    from training.checkpoint import find_checkpoint
+
+    try:
+        find_checkpoint(Path(settings.home) / "runs", "auto", run_name)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _train_recipe(args: argparse.Namespace, settings: Any) -> tuple[Any, dict[str, Any]]:
+    """The recipe ``train`` runs and the execution settings a resumed run may change
+    (``--max-steps``, ``--device`` and the ``RESUME_KEYS`` of ``--set``). With ``--resume``
+    the checkpoint's recipe is used: other ``--set`` keys may only repeat its values (the
+    command line that started the run, re-run with ``--resume auto`` after a kill)."""
+    from training.recipes import RecipeError, load_recipe, parse_overrides
+
+    overrides: dict[str, Any] = parse_overrides(args.overrides)
+    if args.subset is not None:
+        overrides["data.subset"] = args.subset
+    resume_overrides: dict[str, Any] = {}
+    if args.max_steps is not None:
+        resume_overrides["max_steps"] = args.max_steps
+    if args.device is not None:
+        resume_overrides["device"] = args.device
+    if not args.resume:
+        return load_recipe(args.recipe, {**overrides, **resume_overrides}), resume_overrides
+    recipe = load_recipe(args.recipe, {})
+    fixed = {k: v for k, v in overrides.items() if k not in RESUME_KEYS}
+    if fixed:
+        changed = resume_conflicts(
+            _checkpoint_recipe(settings, args.resume, args.run_name, recipe.name), fixed)
+        if changed:
+            raise RecipeError(
+                "--resume continues the checkpoint's recipe; only execution settings "
+                f"may change ({', '.join(sorted(RESUME_KEYS))}), other keys only "
+                "repeat the checkpoint's values", changed)
+    resume_overrides.update({k: v for k, v in overrides.items() if k in RESUME_KEYS})
+    return recipe, resume_overrides
 
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:
