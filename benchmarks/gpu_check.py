@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -49,13 +48,19 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.gpu_report import (  # noqa: E402
+    CIFAR_TARGETS,
+    IMDB_TARGET,
+    first_event,
+    format_table,
+    steady_throughput,
+    time_to,
+)
 from training.progress import Progress  # noqa: E402 (no torch import: checked first)
 
 log = logging.getLogger("gpu_check")
 
 H200_BF16_DENSE_FLOPS = 989e12
-CIFAR_TARGETS = (0.90, 0.94)
-IMDB_TARGET = 0.925
 RECIPES = {
     "gpu": {"cifar": "cifar10-vit", "mlm": "imdb-mlm-pretrain-gpu",
             "finetune": "imdb-transformer"},
@@ -89,30 +94,6 @@ class Recorder(Progress):
             self.events_file.flush()
         if event in ("start", "end"):  # epochs: the trainer logs them (and events.jsonl)
             super()._emit(event, phase=self.phase, **fields)
-
-
-def _first(events: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
-    return next((e for e in events if e["event"] == kind), None)
-
-
-def time_to(curve: list[dict[str, Any]], threshold: float) -> float | None:
-    """Seconds (``t`` of the curve point) of the first evaluation at or above ``threshold``."""
-    for p in curve:
-        if p.get("val_acc") is not None and p["val_acc"] >= threshold:
-            return p["t"]
-    return None
-
-
-def steady_throughput(events: list[dict[str, Any]]) -> float | None:
-    """Median items/s of the train-metric windows after the first epoch (which includes
-    compilation and warm-up); all windows when the run is shorter than that."""
-    steps = [e for e in events if e["event"] == "step" and e.get("throughput")]
-    later = [e for e in steps if e.get("epoch", 0) >= 1]
-    pick = later or steps
-    return float(statistics.median(e["throughput"] for e in pick)) if pick else None
-
-
-# ----------------------------------------------------------------------------- FLOPs
 
 
 def train_flops_per_item(run: Any) -> dict[str, Any]:
@@ -212,7 +193,7 @@ class Check:
     def phase_summary(self, run: Any, result: Any, rec: Any, t_call: float,
                       t_done: float) -> dict[str, Any]:
         ev = rec.events
-        start, end = _first(ev, "start"), _first(ev, "end")
+        start, end = first_event(ev, "start"), first_event(ev, "end")
         t_start = start["t"] if start else t_call
         curve = [{"epoch": e["epoch"] + 1, "step": e["step"], "t": round(e["t"] - t_start, 2),
                   "t_from_call": round(e["t"] - t_call, 2), "val_acc": e.get("val_acc"),
@@ -351,75 +332,6 @@ class Check:
         if self.events_file is not None:
             self.events_file.close()
         return 0 if self.summary["ok"] else 1
-
-
-# ----------------------------------------------------------------------------- table
-
-
-def _f(v: Any, fmt: str = "{:.4f}", none: str = "-") -> str:
-    return none if v is None else fmt.format(v)
-
-
-def _target(v: float | None, target: float) -> str:
-    if v is None:
-        return ""
-    return f"  [target {target:.3g}: {'met' if v >= target else 'MISSED'}]"
-
-
-def format_table(s: dict[str, Any]) -> str:
-    dev = s["device"]
-    rows: list[tuple[str, str]] = []
-    c = s.get("cifar")
-    if c:
-        rows += [
-            ("cifar10  recipe", f"{c['recipe']} ({c['status']}, {c['steps']} steps = "
-                                f"{c['epochs']} epochs of batch {c['batch_size']})"),
-            ("  final val acc", _f(c["final_val_acc"]) + _target(c["final_val_acc"],
-                                                                   CIFAR_TARGETS[1])),
-            ("  best val acc", _f(c["best_val_acc"])),
-            ("  time to 90 %", _f(c["time_to_90_s"], "{:.1f} s", "not reached")
-             + f"  ({_f(c['time_to_90_s_from_call'], '{:.1f} s', '-')} incl. set-up)"),
-            ("  time to 94 %", _f(c["time_to_94_s"], "{:.1f} s", "not reached")
-             + f"  ({_f(c['time_to_94_s_from_call'], '{:.1f} s', '-')} incl. set-up)"),
-            ("  set-up / train / all", f"{c['setup_s']:.1f} s / {c['train_s']:.1f} s / "
-                                       f"{c['total_s']:.1f} s"),
-            ("  images/s", _f(c["images_per_s"], "{:,.0f}")),
-            ("  FLOPs per image", _f(c.get("flops_per_item"), "{:.3e}") + " (fwd + bwd)"),
-            ("  MFU", _f(c.get("mfu"), "{:.1%}") + f" of {dev['peak_flops']:.3g} FLOP/s"),
-            ("  peak GPU memory", _f(c.get("peak_memory_gb"), "{:.1f} GiB")),
-        ]
-    im = s.get("imdb") or {}
-    p, f = im.get("pretrain"), im.get("finetune")
-    if p:
-        rows += [
-            ("imdb MLM recipe", f"{p['recipe']} ({p['status']}, {p['steps']} steps = "
-                                f"{p['epochs']} epochs, {p['n_train']} reviews)"),
-            ("  final val MLM loss", _f(p["final_val_loss"])),
-            ("  set-up / train / all", f"{p['setup_s']:.1f} s / {p['train_s']:.1f} s / "
-                                       f"{p['total_s']:.1f} s"),
-            ("  tokens/s", _f(p["tokens_per_s"], "{:,.0f}")
-             + f"  (MFU {_f(p.get('mfu'), '{:.1%}')})"),
-        ]
-    if f:
-        rows += [
-            ("imdb fine-tune recipe", f"{f['recipe']} ({f['status']}, {f['steps']} steps = "
-                                      f"{f['epochs']} epochs)"),
-            ("  final val acc", _f(f["final_val_acc"]) + _target(f["final_val_acc"],
-                                                                   IMDB_TARGET)),
-            ("  best val acc", _f(f["best_val_acc"])),
-            ("  set-up / train / all", f"{f['setup_s']:.1f} s / {f['train_s']:.1f} s / "
-                                       f"{f['total_s']:.1f} s"),
-            ("  tokens/s", _f(f["tokens_per_s"], "{:,.0f}")),
-            ("imdb total", _f(im.get("total_s"), "{:.1f} s")),
-        ]
-    for e in s.get("errors", []):
-        rows.append((f"ERROR in {e['phase']}", e["error"][:200]))
-    rows.append(("check total", f"{s.get('total_s', 0):.1f} s"))
-    width = max(len(k) for k, _ in rows)
-    head = (f"GPU check{' (DRY RUN: CPU, smoke recipes)' if s['dry_run'] else ''} on "
-            f"{dev['name']}, torch {dev['torch']}, CUDA {dev['cuda']}")
-    line = "-" * max(len(head), 72)
-    return "\n".join([line, head, line] + [f"{k:<{width}}  {v}" for k, v in rows] + [line])
 
 
 # ----------------------------------------------------------------------------- entry
