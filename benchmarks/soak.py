@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import BIN, Server, free_port, jpeg_image, register  # noqa: E402
+from harness import BIN, Server, free_port, jpeg_image, register  # noqa: E402
 
 OPEN_LOOP_S = 2.5  # how long a connection may wait for an answer before the offered rate drops
 
