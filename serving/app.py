@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import torch
 from fastapi import FastAPI
@@ -25,11 +26,12 @@ from serving.metrics import MetricsMiddleware, ServingMetrics
 from serving.middleware import BodySizeLimitMiddleware
 from serving.model_cards import ModelCards
 from serving.model_store import ModelStore
-from serving.routers import health, jobs, models, predict
+from serving.routers import datasets, health, jobs, models, predict
 from serving.routers.ui import SecurityHeadersMiddleware, mount_ui
 from serving.workers import Leadership, ModelSync, exit_with_parent
 from vit_service import __version__, tracking
 from vit_service.config import Settings, get_settings
+from vit_service.data.datasets import DatasetLimits, DatasetStore
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +120,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.service = service
     app.state.jobs = job_manager
     app.state.leadership = leadership
+    app.state.datasets = DatasetStore(
+        Path(settings.home) / "datasets",
+        DatasetLimits(max_image_pixels=settings.max_image_pixels))
 
     install_error_handlers(app)
     jobs.install_job_error_handler(app)
@@ -125,9 +130,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(predict.router, prefix=API_PREFIX)
     app.include_router(models.router, prefix=API_PREFIX)
     app.include_router(jobs.router, prefix=API_PREFIX)
+    app.include_router(datasets.router, prefix=API_PREFIX)
     mount_ui(app)
     # Middleware: the last added is the outermost, so metrics also see 413s from the limiter.
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes,
+                       path_limits={f"{API_PREFIX}/datasets": settings.max_dataset_bytes})
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(SecurityHeadersMiddleware)
     return app

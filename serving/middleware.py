@@ -35,18 +35,30 @@ async def _send_json(send: Send, status: int, detail: str) -> None:
 
 
 class BodySizeLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int,
+                 path_limits: dict[str, int] | None = None) -> None:
+        """``path_limits``: a larger (or smaller) limit for the paths under a prefix (data set
+        uploads)."""
         self.app = app
-        self.limit = max_body_bytes
+        self.default = max_body_bytes
+        self.path_limits = sorted((path_limits or {}).items(), key=lambda kv: -len(kv[0]))
 
-    def _detail(self, declared: int | None = None) -> str:
-        size = f" ({declared} bytes declared)" if declared is not None else ""
-        return f"request body exceeds the limit of {self.limit} bytes{size}"
+    def _limit(self, path: str) -> int:
+        for prefix, limit in self.path_limits:
+            if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+                return limit
+        return self.default
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self._limit(scope.get("path", ""))
+
+        def detail(declared: int | None = None) -> str:
+            size = f" ({declared} bytes declared)" if declared is not None else ""
+            return f"request body exceeds the limit of {limit} bytes{size}"
+
         declared = None
         for key, value in scope.get("headers", []):
             if key == b"content-length":
@@ -55,8 +67,8 @@ class BodySizeLimitMiddleware:
                 except ValueError:
                     await _send_json(send, 400, "invalid Content-Length header")
                     return
-        if declared is not None and declared > self.limit:
-            await _send_json(send, 413, self._detail(declared))
+        if declared is not None and declared > limit:
+            await _send_json(send, 413, detail(declared))
             return
 
         received = 0
@@ -67,8 +79,8 @@ class BodySizeLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise BodyTooLargeError(self._detail())
+                if received > limit:
+                    raise BodyTooLargeError(detail())
             return message
 
         async def send_wrapper(message: Message) -> None:

@@ -65,6 +65,8 @@ class Settings(BaseSettings):
         True, description="wait max_wait_ms only while requests arrive at least that often "
         "(serving/batching.py); false: every batch waits the whole window")
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1, description="request body limit")
+    max_dataset_bytes: int = Field(
+        512 * 1024 * 1024, ge=1, description="body limit of a data set upload (POST /v1/datasets)")
     max_image_pixels: int = Field(
         12_000_000, ge=1, description="width*height limit per image (decompression bombs; a "
         "4000x3000 photo passes): an image is decoded in its own mode, at most 4 bytes a pixel, "
