@@ -5,11 +5,12 @@ GIL back after every op (a 6-layer ViT forward is a few hundred of them); a trac
 its ops in C++ without going back to Python between them (``benchmarks/bench_traced.py``;
 docs/serving.md, "Traced forwards").
 
-Both serving paths are traced (the fused forward, and ``forward_with_attention``, which returns
-the weights of the same pass); relevance (a backward pass) stays eager. The traces are checked
-against the eager model on two batch sizes (and, for text, two lengths and padding) before they
-are used: a trace that fails or disagrees (more than 1e-4) is dropped with a warning and the
-model is served eagerly, so tracing can cost speed but never answers.
+Both serving paths are traced, flip TTA included (:mod:`vit_service.tta`): the fused forward,
+and ``forward_with_attention``, which returns the weights of the same pass; relevance (a
+backward pass) stays eager. The traces are checked against the eager model on two batch sizes
+(and, for text, two lengths and padding) before they are used: a trace that fails or disagrees
+(more than 1e-4) is dropped with a warning and the model is served eagerly, so tracing can cost
+speed but never answers.
 
 In bf16 (:class:`vit_service.execution.Execution`: autocast on the explicit attention path,
 the default on a CPU with native bf16) the traces are recorded under autocast with
@@ -31,19 +32,11 @@ from torch import Tensor, nn
 
 from vit_service.execution import Execution, Precision
 from vit_service.pipeline import Forwards
+from vit_service.tta import Predict, PredictWithAttention, predict, predict_with_attention
 
 log = logging.getLogger(__name__)
 
 TOLERANCE = 1e-4  # max |traced - eager| on logits and weights at load
-
-
-class _WithAttention(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, *inputs: Tensor) -> tuple[Tensor, Tensor]:
-        return self.model.forward_with_attention(*inputs)
 
 
 def _execution(precision: Precision | Execution) -> Execution:
@@ -57,11 +50,11 @@ def eager_forwards(model: nn.Module, precision: Precision | Execution = "fp32") 
 
     def plain(*inputs: Tensor) -> Tensor:
         with ex.applied(model):
-            return model(*inputs).float()
+            return predict(model, *inputs).float()
 
     def with_attention(*inputs: Tensor) -> tuple[Tensor, Tensor]:
         with ex.applied(model):
-            logits, attn = model.forward_with_attention(*inputs)
+            logits, attn = predict_with_attention(model, *inputs)
         return logits.float(), attn.float()
 
     return Forwards(plain, with_attention, False, ex)
@@ -134,8 +127,8 @@ def trace_forwards(model: nn.Module, task: str, meta_preprocess: dict[str, Any],
         examples = _examples(model, task, meta_preprocess)
         with torch.no_grad(), warnings.catch_warnings(), _tracing(model, ex):
             warnings.simplefilter("ignore")  # TracerWarnings: the checks below decide
-            plain = torch.jit.trace(model, examples[0], check_trace=False)
-            attn = torch.jit.trace(_WithAttention(model), examples[0], check_trace=False)
+            plain = torch.jit.trace(Predict(model), examples[0], check_trace=False)
+            attn = torch.jit.trace(PredictWithAttention(model), examples[0], check_trace=False)
         traced = _as_fp32(plain, attn, ex)
         with torch.inference_mode():
             worst = max(max(_max_diff(traced.plain(*x), eager.plain(*x)),

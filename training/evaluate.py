@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vit_service.execution import Execution, Precision, resolve_execution
+from vit_service.tta import predict
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ def evaluate_bundle(
     execution = resolve_execution("serve", dev, precision=precision)
     log.info("evaluating %s on %s (%d examples, %s)", model_ref, split, len(rows),
              execution.precision)
-    return evaluate_in_precision(b.model, batches(), lambda m, bb: m(*bb.inputs),
+    return evaluate_in_precision(b.model, batches(), lambda m, bb: predict(m, *bb.inputs),
                                  b.meta.class_names, dev, execution)
 
 

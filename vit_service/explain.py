@@ -15,9 +15,9 @@ as :mod:`vit_service.attention_maps`, so the maps are comparable.
 The gradients are taken with :func:`torch.autograd.grad` with respect to the attention weights
 only: no parameter gradient is computed and no ``.grad`` is written, the model is not switched
 out of ``eval`` and nothing in it changes, so the same model keeps serving other requests. With
-flip test-time augmentation the logits average two views; the map explains the given view
-(the gradient of the mean is half that view's own gradient, so it is scaled back by the number of
-views).
+flip test-time augmentation (:mod:`vit_service.tta`) the answer averages two views and picks
+the predicted class; the map explains the given view (its own logit is differentiated: the
+gradient of the mean is exactly half of it).
 
 **Faithfulness** (deletion / insertion, Petsiuk et al. 2018, as used by Chefer et al. 2021). For a
 map and the explained class: remove the patches or tokens most relevant first in ``steps``
@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from vit_service.attention_maps import Query, normalise_rows, query_row, to_grid
+from vit_service.tta import flips, mean_of_views, predict
 
 log = logging.getLogger(__name__)
 
@@ -96,21 +97,24 @@ def attention_gradients(
 
     ``inputs``: what ``model.attention_graph`` takes (``(x,)`` for a ViT, ``(ids, mask)`` for a
     text model). ``target`` ``(B,)`` class indices, ``-1`` (or ``None`` for all) = predicted.
-    Returns detached ``logits`` ``(B, K)``, per-layer weights and ``d logit_target / d weights``
-    (each ``(B, H, T, T)``, the given view) and the target ``(B,)``. Safe inside
+    Returns detached ``logits`` ``(B, K)`` (what the model answers: flip TTA included, see
+    :mod:`vit_service.tta`), per-layer weights and ``d logit_target / d weights`` of the given
+    view (each ``(B, H, T, T)``) and the target ``(B,)``. Safe inside
     ``torch.inference_mode()``: it leaves it locally and copies inputs created in it.
     """
     with torch.inference_mode(False), torch.enable_grad():
         inputs = tuple(t.clone() if t.is_inference() else t for t in inputs)
-        logits, attns, views = model.attention_graph(*inputs)  # attns: L x (B, H, T, T)
-        pred = logits.detach().argmax(-1)
+        logits, attns = model.attention_graph(*inputs)  # attns: L x (B, H, T, T)
+        served = logits.detach()
+        if flips(model):  # the mirror view only moves the answer, not the given view's map
+            with torch.no_grad():
+                served = mean_of_views(served, model(inputs[0].flip(-1)))
+        pred = served.argmax(-1)
         tgt = pred if target is None else torch.where(target.to(pred.device) < 0, pred,
                                                       target.to(pred.device))
         score = logits.gather(1, tgt[:, None]).sum()  # items are independent: one backward
         grads = torch.autograd.grad(score, attns)
-    attns_b = [a.detach() for a in attns]
-    grads_b = [g * views for g in grads]  # the mean over V views scaled back to one view
-    return logits.detach(), attns_b, grads_b, tgt
+    return served, [a.detach() for a in attns], list(grads), tgt
 
 
 def explain(
@@ -284,7 +288,7 @@ def image_probs_fn(
     model: nn.Module, x: Tensor, target: Tensor, patch_size: int, chunk: int = 256
 ) -> Callable[[Tensor], Tensor]:
     """``probs_of`` for images ``x`` ``(B, C, S, S)``: a removed patch is filled with the
-    image's mean colour; the model's own forward (TTA included) gives the probabilities."""
+    image's mean colour; the model's answer (flip TTA included) gives the probabilities."""
     fill = x.mean(dim=(2, 3), keepdim=True)  # (B, C, 1, 1)
 
     def probs_of(keep: Tensor) -> Tensor:
@@ -296,7 +300,7 @@ def image_probs_fn(
         def forward(s: int, e: int) -> Tensor:
             b = torch.arange(s, e, device=x.device) // Q
             m = pix.view(B * Q, 1, *pix.shape[-2:])[s:e]  # (n, 1, S, S)
-            return model(torch.where(m, x[b], fill[b]))
+            return predict(model, torch.where(m, x[b], fill[b]))
 
         return _batched_probs(forward, B * Q, target, Q, chunk).view(B, Q)
 
@@ -317,7 +321,7 @@ def text_probs_fn(
 
         def forward(s: int, e: int) -> Tensor:
             b = torch.arange(s, e, device=ids.device) // Q
-            return model(ids[b], full.view(B * Q, -1)[s:e])
+            return predict(model, ids[b], full.view(B * Q, -1)[s:e])
 
         return _batched_probs(forward, B * Q, target, Q, chunk).view(B, Q)
 

@@ -11,6 +11,7 @@ perturbed inputs in batched forwards right after. Nothing here knows about HTTP.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -29,6 +30,7 @@ from vit_service.explain import (
     summarise_faithfulness,
     text_probs_fn,
 )
+from vit_service.tta import flips, predict, predict_with_attention
 
 
 class ForwardPath(Enum):
@@ -81,7 +83,11 @@ class Forwards:
 
     @classmethod
     def eager(cls, model: nn.Module) -> Forwards:
-        return cls(model, model.forward_with_attention, False)
+        """The model's own forwards, flip TTA applied (:mod:`vit_service.tta`)."""
+        if not flips(model):
+            return cls(model, model.forward_with_attention, False)
+        return cls(functools.partial(predict, model),
+                   functools.partial(predict_with_attention, model), False)
 
 
 def model_grid(model: nn.Module) -> tuple[int, int] | None:

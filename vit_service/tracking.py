@@ -76,6 +76,7 @@ class BundlePyfunc(mlflow.pyfunc.PythonModel):
 
         from vit_service.precision import inference_precision
         from vit_service.preprocess import decode_image, images_to_tensor
+        from vit_service.tta import predict
 
         b = self.bundle
         if not b.meta.class_names:
@@ -84,7 +85,7 @@ class BundlePyfunc(mlflow.pyfunc.PythonModel):
         with torch.inference_mode(), inference_precision(b.model, self.precision):
             if b.meta.task == "image":
                 imgs = [decode_image(base64.b64decode(s)) for s in model_input["image"]]
-                logits = b.model(images_to_tensor(imgs, b.meta))
+                logits = predict(b.model, images_to_tensor(imgs, b.meta))  # flip TTA too
             else:
                 texts = list(model_input["text"])
                 enc = b.tokenizer.encode_batch(texts, b.meta.preprocess["max_len"],

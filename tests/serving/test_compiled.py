@@ -7,6 +7,7 @@ from serving.compiled import trace_forwards
 from vit_service.models import create_model
 from vit_service.models.layers import Attention
 from vit_service.precision import inference_precision
+from vit_service.tta import predict, predict_with_attention
 
 
 def _frozen(m: nn.Module) -> nn.Module:
@@ -22,9 +23,9 @@ def test_traced_vit_and_text_forwards_equal_the_eager_model_at_other_sizes() -> 
     assert f.traced
     x = torch.randn(9, 3, 32, 32)  # traced at 3, checked at 3 and 5
     with torch.inference_mode():
-        torch.testing.assert_close(f.plain(x), vit(x))
+        torch.testing.assert_close(f.plain(x), predict(vit, x))
         logits, attn = f.with_attention(x)
-        want_logits, want_attn = vit.forward_with_attention(x)
+        want_logits, want_attn = predict_with_attention(vit, x)
     torch.testing.assert_close(logits, want_logits)
     torch.testing.assert_close(attn, want_attn)
 
@@ -79,8 +80,8 @@ def test_bf16_traces_equal_the_eager_bf16_model_and_answer_in_fp32() -> None:
         logits, attn = f.with_attention(x)
         plain = f.plain(x)
         with inference_precision(vit, "bf16"):
-            want_logits, want_attn = vit.forward_with_attention(x)
-        fp32_logits = vit(x)
+            want_logits, want_attn = predict_with_attention(vit, x)
+        fp32_logits = predict(vit, x)
     assert logits.dtype == attn.dtype == plain.dtype == torch.float32
     torch.testing.assert_close(plain, want_logits.float(), rtol=0, atol=0)
     torch.testing.assert_close(attn, want_attn.float(), rtol=0, atol=0)

@@ -82,14 +82,12 @@ class Attention(nn.Module):
         key_padding_mask: Tensor | None = None,
         causal: bool = False,
         need_weights: bool = False,
-        weight_rows: int | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """``x``: ``(B, T, C)``. Returns ``(out (B, T, C), weights (R, H, T, T) | None)``.
+        """``x``: ``(B, T, C)``. Returns ``(out (B, T, C), weights (B, H, T, T) | None)``.
 
-        ``need_weights=True`` (or ``fused_attn=False``) takes the explicit path. ``weight_rows``
-        ``R < B``: only the first ``R`` batch rows need their weights; the others take the fused
-        path (a flip-TTA batch, whose mirror views' weights nobody reads).
-        """
+        ``need_weights=True`` (or ``fused_attn=False``) takes the explicit path; the weights
+        returned are the very tensor the output is computed from (relevance differentiates the
+        logits with respect to them)."""
         B, T, C = x.shape
         qkv = self.qkv(x).reshape(B, T, 3, self.num_heads, self.head_dim)  # (B, T, 3, H, D)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
@@ -99,23 +97,8 @@ class Attention(nn.Module):
             bias, dead = _safe_bias(bias)
 
         weights: Tensor | None = None
-        r = weight_rows
         if self.fused_attn and not need_weights:
             out = self._fused(q, k, v, bias)  # (B, H, T, D)
-        elif r is not None and 0 <= r < B:
-            # only the first r rows' weights are read (flip TTA: nobody reads the mirror
-            # views'): those rows take the explicit path, and the weights returned are the
-            # very tensor their output is computed from (relevance differentiates the
-            # logits with respect to it: a slice taken after the matmul would not be in the
-            # graph); the other rows take the module's own path
-            head, weights = self._explicit(q[:r], k[:r], v[:r], _rows(bias, 0, r),
-                                           _rows(dead, 0, r))
-            if self.fused_attn:
-                rest = self._fused(q[r:], k[r:], v[r:], _rows(bias, r, B))
-            else:
-                rest = self._explicit(q[r:], k[r:], v[r:], _rows(bias, r, B),
-                                      _rows(dead, r, B))[0]
-            out = torch.cat([head, rest])  # (B, H, T, D)
         else:
             out, weights = self._explicit(q, k, v, bias, dead)
         if dead is not None:
@@ -144,11 +127,6 @@ class Attention(nn.Module):
 def stack_layers(attns: list[Tensor]) -> Tensor:
     """Per-layer weights ``L x (B, H, T, T)`` -> ``(L, B, H, T, T)``; one layer is a view."""
     return attns[0].unsqueeze(0) if len(attns) == 1 else torch.stack(attns)
-
-
-def _rows(t: Tensor | None, start: int, stop: int) -> Tensor | None:
-    """Batch rows ``start:stop`` of a mask or bias that may broadcast over the batch (dim 1)."""
-    return t if t is None or t.shape[0] == 1 else t[start:stop]
 
 
 class Mlp(nn.Module):
@@ -205,9 +183,8 @@ class Block(nn.Module):
         key_padding_mask: Tensor | None = None,
         causal: bool = False,
         need_weights: bool = False,
-        weight_rows: int | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        a, w = self.attn(self.norm1(x), key_padding_mask, causal, need_weights, weight_rows)
+        a, w = self.attn(self.norm1(x), key_padding_mask, causal, need_weights)
         x = x + self.drop_path1(a)
         x = x + self.drop_path2(self.mlp(self.norm2(x)))
         return x, w

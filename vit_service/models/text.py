@@ -148,20 +148,20 @@ class TextTransformer(nn.Module):
 
     def attention_graph(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, track: bool = True
-    ) -> tuple[Tensor, list[Tensor], int]:
-        """Logits ``(B, K)``, every layer's weights ``(B, H, T, T)`` and the number of views
-        (always 1). ``track`` (under grad mode): the weights are in an autograd graph that
-        starts at the tokens, which is what relevance differentiates."""
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Logits ``(B, K)`` and every layer's weights ``(B, H, T, T)``. ``track`` (under grad
+        mode): the weights are in an autograd graph that starts at the tokens, which is what
+        relevance differentiates."""
         if attention_mask is None:
             attention_mask = input_ids != self.config.pad_id
         feats, attns = self.forward_features(input_ids, attention_mask, need_weights=True,
                                              leaf_tokens=track)
         assert attns is not None
-        return self.forward_head(feats, attention_mask), attns, 1
+        return self.forward_head(feats, attention_mask), attns
 
     def forward_with_attention(
         self, input_ids: Tensor, attention_mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """Logits ``(B, K)`` and attention ``(L, B, H, T, T)`` from one forward pass."""
-        logits, attns, _ = self.attention_graph(input_ids, attention_mask, track=False)
+        logits, attns = self.attention_graph(input_ids, attention_mask, track=False)
         return logits, stack_layers(attns)

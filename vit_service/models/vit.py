@@ -46,8 +46,8 @@ class ViTConfig:
     # conv: 3x3 convs (stride 2 until the patch grid) + BN + ReLU, then a 1x1 projection
     # (Xiao et al. 2021, "Early convolutions help transformers see better")
     stem_width: int = 32  # conv stem: channels of its first conv, doubled at each stride 2
-    tta_flip: bool = False  # eval mode: average the logits of the image and its mirror image
-    # (flip test-time augmentation); attention maps come from the image as given
+    tta_flip: bool = False  # evaluation and serving average the logits of the image and its
+    # mirror image (flip test-time augmentation, vit_service.tta); the model itself never does
     patch_dropout: float = 0.0  # training only: each image keeps a random (1 - p) share of its
     # patch tokens (PatchDropout, Liu et al. 2022): steps ~1/(1 - p) cheaper; eval sees all
 
@@ -199,12 +199,10 @@ class ViT(nn.Module):
 
     def forward_features(
         self, x: Tensor, need_weights: bool = False, leaf_tokens: bool = False,
-        weight_rows: int | None = None,
     ) -> tuple[Tensor, list[Tensor] | None]:
         """Returns normalised tokens ``(B, 1 + N, D)`` and, if asked, per-layer attention
-        weights, each ``(B, H, 1 + N, 1 + N)``, from this same forward pass (``(R, ...)``: only
-        the first ``weight_rows`` images'). ``leaf_tokens``: the autograd graph starts at the
-        embedded tokens (parameters are never part of it)."""
+        weights, each ``(B, H, 1 + N, 1 + N)``, from this same forward pass. ``leaf_tokens``:
+        the autograd graph starts at the embedded tokens (parameters are never part of it)."""
         x = self.embed(x)
         if self.training and self.config.patch_dropout > 0:
             x = self._drop_patches(x)
@@ -212,7 +210,7 @@ class ViT(nn.Module):
             x = x.detach().requires_grad_()
         attns: list[Tensor] = []
         for blk in self.blocks:
-            x, w = blk(x, need_weights=need_weights, weight_rows=weight_rows)
+            x, w = blk(x, need_weights=need_weights)
             if w is not None:
                 attns.append(w)
         return self.norm(x), (attns if need_weights else None)
@@ -235,35 +233,19 @@ class ViT(nn.Module):
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
 
-    def _tta(self) -> bool:
-        return self.config.tta_flip and not self.training
-
     def forward(self, x: Tensor) -> Tensor:
-        if self._tta():  # one batch of 2B: the image and its mirror
-            logits = self.forward_head(self.forward_features(torch.cat([x, x.flip(-1)]))[0])
-            return logits.view(2, x.shape[0], -1).mean(0)  # (B, K)
+        """Logits ``(B, K)`` of the images as given, on the modules' attention path."""
         return self.forward_head(self.forward_features(x)[0])
 
-    def attention_graph(
-        self, x: Tensor, track: bool = True
-    ) -> tuple[Tensor, list[Tensor], int]:
-        """Logits ``(B, K)``, every layer's attention weights of the given images (each
-        ``(B, H, T, T)``) and ``V``, the number of views averaged into the logits (2 with
-        ``tta_flip``: the mirror views take the fused path, nobody reads their weights).
-        ``track`` (under grad mode): the weights are in an autograd graph that starts at the
-        tokens, which is what relevance differentiates."""
-        views = 2 if self._tta() else 1
-        feats, attns = self.forward_features(torch.cat([x, x.flip(-1)]) if views == 2 else x,
-                                             need_weights=True, leaf_tokens=track,
-                                             weight_rows=x.shape[0] if views == 2 else None)
-        logits = self.forward_head(feats)
-        if views == 2:
-            logits = logits.view(2, x.shape[0], -1).mean(0)  # (B, K)
+    def attention_graph(self, x: Tensor, track: bool = True) -> tuple[Tensor, list[Tensor]]:
+        """Logits ``(B, K)`` and every layer's attention weights (each ``(B, H, T, T)``) from
+        one explicit-attention pass. ``track`` (under grad mode): the weights are in an autograd
+        graph that starts at the tokens, which is what relevance differentiates."""
+        feats, attns = self.forward_features(x, need_weights=True, leaf_tokens=track)
         assert attns is not None
-        return logits, attns, views
+        return self.forward_head(feats), attns
 
     def forward_with_attention(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Logits ``(B, K)`` and attention ``(L, B, H, T, T)`` from one forward pass (with
-        ``tta_flip``: the logits average both views, the attention is the given view's)."""
-        logits, attns, _ = self.attention_graph(x, track=False)
+        """Logits ``(B, K)`` and attention ``(L, B, H, T, T)`` from one forward pass."""
+        logits, attns = self.attention_graph(x, track=False)
         return logits, stack_layers(attns)  # (L, B, H, T, T)

@@ -72,26 +72,6 @@ def test_fused_and_explicit_paths_agree(mask_kind: str) -> None:
     torch.testing.assert_close(w2, w)
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "padding", "causal"])
-@pytest.mark.parametrize("rows", [0, 1, 3])
-def test_weights_for_leading_rows_only_agree_with_the_explicit_path(
-    mask_kind: str, rows: int
-) -> None:
-    attn = _attn()
-    x = torch.randn(4, 10, 32)
-    mask = _padding_mask([10, 7, 3, 1], 10) if mask_kind == "padding" else None
-    causal = mask_kind == "causal"
-    full, w_full = attn(x, key_padding_mask=mask, causal=causal, need_weights=True)
-    out, w = attn(x, key_padding_mask=mask, causal=causal, need_weights=True, weight_rows=rows)
-    assert w is not None and w.shape == (rows, 4, 10, 10)
-    torch.testing.assert_close(w, w_full[:rows])
-    torch.testing.assert_close(out, full, atol=1e-5, rtol=0)  # fused rows give the same out
-    attn.fused_attn = False  # all explicit: still only the rows asked for
-    out2, w2 = attn(x, key_padding_mask=mask, causal=causal, weight_rows=rows)
-    assert w2 is not None and w2.shape == (rows, 4, 10, 10)
-    torch.testing.assert_close(out2, full)
-
-
 @pytest.mark.parametrize("fused", [True, False])
 def test_fully_masked_row_gives_no_nan(fused: bool) -> None:
     attn = _attn()

@@ -65,6 +65,8 @@ def test_reset_classifier_replaces_the_head() -> None:
 
 
 def test_flip_tta_logits_are_the_mean_of_the_two_views() -> None:
+    from vit_service.tta import predict, predict_with_attention
+
     torch.manual_seed(0)
     model = create_model("vit_test", tta_flip=True).eval()
     x = torch.randn(3, 3, 32, 32)
@@ -72,14 +74,16 @@ def test_flip_tta_logits_are_the_mean_of_the_two_views() -> None:
     plain.load_state_dict(model.state_dict())
     with torch.no_grad():
         expected = (plain(x) + plain(x.flip(-1))) / 2
-        got = model(x)
-        logits, attn = model.forward_with_attention(x)
+        got = predict(model, x)
+        logits, attn = predict_with_attention(model, x)
         _, attn_plain = plain.forward_with_attention(x)
+        own = model(x)  # the model itself answers for the image as given
     assert torch.allclose(got, expected, atol=1e-5)
     assert torch.allclose(logits, expected, atol=1e-5)
     assert torch.allclose(attn, attn_plain, atol=1e-6)  # maps of the image as given
+    assert torch.equal(own, plain(x))
     model.train()  # training: one view, no averaging
-    assert torch.allclose(model(x), plain.train()(x), atol=1e-5)
+    assert torch.allclose(predict(model, x), plain.train()(x), atol=1e-5)
 
 
 def test_mean_pooling_reads_the_patch_tokens_not_cls() -> None:
