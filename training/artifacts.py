@@ -14,6 +14,7 @@ from torch import nn
 from training.augment import normalize
 from training.objectives import VAL_MASK_SEED
 from training.tasks import ImageTask, Task, TextTask
+from vit_service.tta import predict_with_attention
 
 
 def _rows(n_val: int, n: int) -> torch.Tensor:
@@ -38,8 +39,8 @@ def _image_attention(task: ImageTask, model: nn.Module, out_dir: Path, n: int) -
 
     rows = _rows(task.n_val, n).to(task.device)
     raw = task.val_x[rows]  # (n, 3, H, W) uint8
-    logits, attn = model.forward_with_attention(normalize(raw, task.augment.mean,
-                                                          task.augment.std))
+    logits, attn = predict_with_attention(model, normalize(raw, task.augment.mean,
+                                                           task.augment.std))
     probs = logits.float().softmax(-1)
     return image_attention_sheet(
         raw.permute(0, 2, 3, 1).cpu().numpy(), attn.float().cpu(), model.config.grid_size,
@@ -55,7 +56,7 @@ def _text_attention(task: TextTask, model: nn.Module, out_dir: Path, n: int) -> 
     enc = task.tokenizer.encode_batch([task.val_texts[i] for i in rows], task.max_len,
                                       task.recipe.data.truncation)
     ids, mask = enc.input_ids.to(task.device), enc.attention_mask.to(task.device)
-    logits, attn = model.forward_with_attention(ids, mask)
+    logits, attn = predict_with_attention(model, ids, mask)
     probs = logits.float().softmax(-1).cpu()
     maps = attention_rollout(attn.float(), attention_mask=mask,  # (n, T-1)
                              query=model.config.pool).cpu()

@@ -41,6 +41,7 @@ from vit_service.data import (
 )
 from vit_service.data.tokenized import tokenize_splits, tokenized_cache_dir
 from vit_service.data.tokenizer import TextTokenizer
+from vit_service.tta import predict
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,9 @@ class Task:
         raise NotImplementedError
 
     def forward(self, model: nn.Module, batch: Batch) -> Tensor:
-        return model(*batch.inputs)
+        """The logits the model answers with (flip TTA in eval mode where its config says
+        so: :func:`vit_service.tta.predict`, as served)."""
+        return predict(model, *batch.inputs)
 
     def model_fields(self) -> dict[str, Any]:
         return {}
