@@ -49,67 +49,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     metrics = ServingMetrics()
     store = ModelStore(settings, metrics)
-    service = InferenceService(store, settings, metrics)
-    job_manager = create_job_manager(settings)
     several = (settings.workers or 1) > 1  # one of `serve --workers N`'s processes
-    leadership = Leadership(settings.home / "serving.lock" if several else None)
-    sync = ModelSync(settings.home / "serving-models.json", store) if several else None
-    if sync is not None:
-        store.on_swap = sync.publish
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        uri = tracking.configure(settings=settings)
-        if settings.torch_threads:
-            torch.set_num_threads(settings.torch_threads)
-        if settings.api_key is None:
-            log.warning("no API key configured (VIT_SERVICE_API_KEY): "
-                        "POST /v1/models/{name}/reload is refused with 403")
-        log.info("tracking URI %s; models: %s", uri, settings.models)
-        tasks: list[asyncio.Task] = []
-
-        async def lead() -> None:
-            """The job scheduler and the registry poll run in one process per home."""
-            await asyncio.to_thread(job_manager.start)  # re-adopts or settles jobs left running
-            if settings.reload_interval_s > 0:
-                tasks.append(asyncio.create_task(
-                    store.poll_forever(settings.reload_interval_s), name="model-poll"))
-
-        async def lead_when_free() -> None:  # another process leads: take over if it dies
-            while not leadership.try_acquire():
-                await asyncio.sleep(2.0)
-            await lead()
-
-        if leadership.try_acquire():
-            await lead()
-        else:
-            log.info("another process leads %s: this one serves only", leadership.path)
-            tasks.append(asyncio.create_task(lead_when_free(), name="leadership"))
-        await store.load_all()
-        missing = [n for n in store.names if store.get(n) is None]
-        if missing:
-            log.warning("not loaded yet (503 until available): %s", ", ".join(missing))
-        if sync is not None:
-            tasks.append(asyncio.create_task(sync.follow_forever(0.5), name="model-sync"))
-            tasks.append(asyncio.create_task(exit_with_parent(settings.supervisor_pid),
-                                             name="parent-watch"))
-        try:
-            yield
-        finally:
-            for task in tasks:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            await service.close()
-            if leadership.is_leader:
-                await asyncio.to_thread(job_manager.stop)  # running jobs go on; re-adopted
-            leadership.release()
-
     app = FastAPI(
         title="vit-service",
         version=__version__,
         description=DESCRIPTION,
-        lifespan=lifespan,
+        lifespan=_lifespan,
         docs_url=None,  # served by serving/routers/ui.py from local assets
         redoc_url=None,
     )
@@ -117,9 +62,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.store = store
     app.state.cards = ModelCards(store)
-    app.state.service = service
-    app.state.jobs = job_manager
-    app.state.leadership = leadership
+    app.state.service = InferenceService(store, settings, metrics)
+    app.state.jobs = create_job_manager(settings)
+    app.state.leadership = Leadership(settings.home / "serving.lock" if several else None)
+    app.state.sync = ModelSync(settings.home / "serving-models.json", store) if several else None
+    if app.state.sync is not None:
+        store.on_swap = app.state.sync.publish
     app.state.datasets = DatasetStore(
         Path(settings.home) / "datasets",
         DatasetLimits(max_image_pixels=settings.max_image_pixels))
@@ -138,3 +86,57 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(SecurityHeadersMiddleware)
     return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Start-up and shut-down (see the module docstring), over what ``create_app`` put in
+    ``app.state``."""
+    st = app.state
+    settings, store, job_manager, leadership, sync = (st.settings, st.store, st.jobs,
+                                                      st.leadership, st.sync)
+    uri = tracking.configure(settings=settings)
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    if settings.api_key is None:
+        log.warning("no API key configured (VIT_SERVICE_API_KEY): "
+                    "POST /v1/models/{name}/reload is refused with 403")
+    log.info("tracking URI %s; models: %s", uri, settings.models)
+    tasks: list[asyncio.Task] = []
+
+    async def lead() -> None:
+        """The job scheduler and the registry poll run in one process per home."""
+        await asyncio.to_thread(job_manager.start)  # re-adopts or settles jobs left running
+        if settings.reload_interval_s > 0:
+            tasks.append(asyncio.create_task(
+                store.poll_forever(settings.reload_interval_s), name="model-poll"))
+
+    async def lead_when_free() -> None:  # another process leads: take over if it dies
+        while not leadership.try_acquire():
+            await asyncio.sleep(2.0)
+        await lead()
+
+    if leadership.try_acquire():
+        await lead()
+    else:
+        log.info("another process leads %s: this one serves only", leadership.path)
+        tasks.append(asyncio.create_task(lead_when_free(), name="leadership"))
+    await store.load_all()
+    missing = [n for n in store.names if store.get(n) is None]
+    if missing:
+        log.warning("not loaded yet (503 until available): %s", ", ".join(missing))
+    if sync is not None:
+        tasks.append(asyncio.create_task(sync.follow_forever(0.5), name="model-sync"))
+        tasks.append(asyncio.create_task(exit_with_parent(settings.supervisor_pid),
+                                         name="parent-watch"))
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await st.service.close()
+        if leadership.is_leader:
+            await asyncio.to_thread(job_manager.stop)  # running jobs go on; re-adopted
+        leadership.release()
