@@ -31,7 +31,8 @@ from serving.routers.ui import SecurityHeadersMiddleware, mount_ui
 from serving.workers import Leadership, ModelSync, exit_with_parent
 from vit_service import __version__, tracking
 from vit_service.config import Settings, get_settings
-from vit_service.data.datasets import DatasetLimits, DatasetStore
+from vit_service.data.datasets import DatasetStore
+from vit_service.data.upload_checks import DatasetLimits
 
 log = logging.getLogger(__name__)
 

@@ -207,9 +207,43 @@ class ModelStore:
 
     # --- refresh --------------------------------------------------------------------------------
 
+    def discover(self) -> list[str]:
+        """Registered models whose ``champion`` alias is set and that are not served yet,
+        added as ``models:/<name>@champion`` (at most ``discover_models`` of them; 0: only
+        the configured models). Returns the names added; a registry that cannot be read
+        adds none."""
+        cap = self.settings.discover_models
+        room = cap - (len(self._slots) - len(self.settings.models))
+        if cap <= 0 or room <= 0:
+            return []
+        try:
+            found = self.client.search_registered_models(max_results=1000)
+        except Exception as e:  # registry down: the configured models are still served
+            log.warning("model discovery failed: %s: %s", type(e).__name__, e)
+            return []
+        added = []
+        for rm in sorted(found, key=lambda m: m.name):
+            if len(added) >= room:
+                log.warning("discover_models=%d reached: %s and later names not served", cap,
+                            rm.name)
+                break
+            if rm.name not in self._slots and "champion" in (rm.aliases or {}):
+                self._slots[rm.name] = _Slot(f"models:/{rm.name}@champion")
+                added.append(rm.name)
+        if added:
+            log.info("serving registered champions: %s", ", ".join(added))
+        return added
+
+    def add_discovered(self, name: str) -> None:
+        """Serve ``name``'s champion (a model another worker discovered)."""
+        if name not in self._slots:
+            self._slots[name] = _Slot(f"models:/{name}@champion")
+
     async def load_all(self) -> None:
-        """Try every configured model once (start-up); failures are logged, not raised."""
-        for name in self._slots:
+        """Try every configured model once (start-up), and every discovered champion;
+        failures are logged, not raised."""
+        await asyncio.to_thread(self.discover)
+        for name in list(self._slots):
             try:
                 await self.refresh(name)
             except ModelLoadError:
@@ -262,7 +296,8 @@ class ModelStore:
         """Refresh every model every ``interval_s`` seconds (the background task)."""
         while True:
             await asyncio.sleep(interval_s)
-            for name in self._slots:
+            await asyncio.to_thread(self.discover)
+            for name in list(self._slots):
                 try:
                     await self.refresh(name)
                 except ModelLoadError:

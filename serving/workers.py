@@ -137,7 +137,7 @@ class ModelSync:
         changed = []
         for name, fingerprint in self.read().items():
             if not self.store.is_configured(name):
-                continue
+                self.store.add_discovered(name)  # the leader discovered its champion
             current = self.store.get(name)
             if current is not None and current.resolved.fingerprint == fingerprint:
                 continue

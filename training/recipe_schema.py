@@ -7,7 +7,7 @@ fit together. Reading YAML files and applying ``--set`` overrides is ``training.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -42,13 +42,26 @@ class ModelSpec(_Strict):
         return self
 
 
+BUILTIN_DATASETS = ("cifar10", "imagefolder", "imdb")
+DATASET_ID = r"^[0-9a-f]{16}$"  # an uploaded data set (POST /v1/datasets)
+REGISTERED_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # an MLflow model name, no path
+RESERVED_NAMES = ("cifar10-vit", "imdb-sentiment", "cifar10-mae", "imdb-mlm")
+
+
 class DataSpec(_Strict):
-    dataset: Literal["cifar10", "imagefolder", "imdb"]
+    dataset: Literal["cifar10", "imagefolder", "imdb"] | Annotated[
+        str, Field(pattern=DATASET_ID)] | None = Field(
+        description="cifar10, imagefolder (data.path), imdb, or the id of an uploaded data set "
+        "(its classes, and for texts its vocabulary, come from the data); null in a generic "
+        "recipe: given at run time (--set data.dataset=<id>)")
     path: str | None = Field(
         None, description="imagefolder: the tree (or a tar of it) - `<class>/<image>` folders"
     )
     val_size: int = Field(ge=1, description="held-out examples carved (stratified) from train")
     split_seed: int = Field(0, description="seed of the train/val split (keep fixed to compare)")
+    val_fraction: float | None = Field(
+        None, gt=0, lt=1, description="the share of the rows held out for validation "
+        "(instead of val_size; an uploaded image set's own val/ split takes precedence)")
     subset: int | None = Field(None, ge=1, description="train on N (stratified) train rows")
     image_size: int = Field(32, ge=8)
     vocab_size: int | None = Field(None, ge=64, description="text: subword vocabulary size")
@@ -275,13 +288,25 @@ class Recipe(_Strict):
         "attention path on a CPU with native bf16, cheaper than an fp32 pass; fp32 elsewhere). "
         "The last pass is always fp32, the served-precision accuracy recorded beside it "
         "(val_acc_bf16; docs/training.md, 'Ablations')")
-    register_as: Literal["cifar10-vit", "imdb-sentiment", "cifar10-mae", "imdb-mlm"] | None = None
+    register_as: str | None = Field(
+        None, pattern=REGISTERED_NAME, description="registered model name: the fixed one of a "
+        "built-in data set, any other name for an uploaded one")
     # a folder name under the artifact root too: letters, digits, _ . - only (no ../..)
     experiment: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
     @property
+    def uploaded(self) -> bool:
+        """Whether ``data.dataset`` is an uploaded data set's id."""
+        return self.data.dataset not in BUILTIN_DATASETS
+
+    @property
     def task(self) -> Literal["image", "text"]:
-        return "text" if self.data.dataset == "imdb" else "image"
+        """The input kind: IMDb's and an uploaded set's under a text model are text."""
+        if self.data.dataset == "imdb":
+            return "text"
+        if self.uploaded and self.model.name not in list_models("vit"):
+            return "text"
+        return "image"
 
     @property
     def pretraining(self) -> bool:
@@ -335,6 +360,15 @@ class Recipe(_Strict):
                                  f"no masked patch of {n}")
         if self.augment.resolution_schedule:
             self._check_resolution_schedule()
+        if self.uploaded:
+            if self.task == "text" and (self.data.vocab_size is None or self.data.max_len is None):
+                raise ValueError("a text data set needs data.vocab_size and data.max_len")
+            if obj != "classify":
+                raise ValueError("an uploaded data set trains classifiers (objective classify)")
+            if self.register_as in RESERVED_NAMES:
+                raise ValueError(f"register_as {self.register_as!r} is a built-in model's name: "
+                                 "choose another for an uploaded data set")
+            return self
         if obj == "classify":
             expected = {"cifar10": "cifar10-vit", "imdb": "imdb-sentiment"}.get(
                 self.data.dataset)

@@ -118,6 +118,19 @@ class MlflowRun:
             self.mlflow.log_text(yaml.safe_dump(parent_recipe, sort_keys=False),
                                  "lineage/parent_recipe.yaml")
 
+    def log_dataset(self, info: Any, path: Path) -> None:
+        """An uploaded data set as the run's input (MLflow's dataset record: its name, where
+        it is kept, its digest; the full sha256 as a tag), so the model points to the exact
+        data it saw."""
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+        from mlflow.data.meta_dataset import MetaDataset
+
+        ds = MetaDataset(resolve_dataset_source(str(path)), name=f"{info.filename} ({info.id})",
+                         digest=info.sha256[:32])  # MLflow keeps at most 36 characters
+        self.mlflow.log_input(ds, context="training", tags={"sha256": info.sha256,
+                                                            "dataset_id": info.id,
+                                                            "kind": info.kind})
+
     def end(self, status: str = "FINISHED") -> None:
         if self.mlflow.active_run() is not None:
             self.mlflow.end_run(status=status)

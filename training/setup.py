@@ -39,6 +39,7 @@ from training.run_state import Trainables
 from training.step import freeze_encoder, seed_everything
 from training.tasks import Task, build_task
 from vit_service.config import Settings
+from vit_service.data.datasets import DatasetStore
 from vit_service.data.tokenizer import TextTokenizer
 from vit_service.execution import Execution, resolve_execution
 from vit_service.hardware import cpu_has_native_bf16, has_cxx_compiler, machine_params
@@ -69,6 +70,7 @@ class RunSetup:
     mlrun: MlflowRun | None
     register: bool  # register the model (False: only log it to the run)
     ckpt: dict[str, Any] | None  # the checkpoint being resumed
+    datasets: DatasetStore  # the uploaded data sets (data.dataset=<id>)
     started_at: float  # time.monotonic() when the run's wall clock started
 
     @property
@@ -154,7 +156,8 @@ def build_run(recipe: Recipe, dist: DistInfo, settings: Settings, *,
     seed_everything(recipe.seed + dist.rank)
     init_source, lineage, tokenizer = _initial_weights(recipe, ckpt, tracking_uri, settings)
     t0 = time.perf_counter()
-    task = build_task(recipe, dist, data_dir, settings.cache_dir, tokenizer)
+    datasets = DatasetStore(Path(settings.home) / "datasets")
+    task = build_task(recipe, dist, data_dir, settings.cache_dir, tokenizer, datasets)
     log.info("data ready in %.1fs", time.perf_counter() - t0)
     model, lineage = _build_model(recipe, task, ckpt, init_source, lineage)
     set_fused_attn(model, execution.fused_attention)  # the path every step takes
@@ -194,7 +197,8 @@ def build_run(recipe: Recipe, dist: DistInfo, settings: Settings, *,
         init_source=init_source, resolution=resolution, execution=execution,
         steps_per_epoch=steps_per_epoch,
         warmup_steps=warmup, run_name=run_name, run_dir=Path(settings.home) / "runs" / run_name,
-        progress=progress, mlrun=mlrun, register=register, ckpt=ckpt, started_at=started_at)
+        progress=progress, mlrun=mlrun, register=register, ckpt=ckpt, datasets=datasets,
+        started_at=started_at)
 
 
 def train_module(model: nn.Module, dist: DistInfo, compile: bool, kind: str) -> nn.Module:

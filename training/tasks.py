@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,12 +33,16 @@ from training.distributed import DistInfo
 from training.recipes import Recipe
 from vit_service.bundle import CIFAR10_MEAN, CIFAR10_STD
 from vit_service.data import (
+    DataNotFoundError,
     ImageDataset,
+    TextDataset,
     load_cifar10,
+    load_image_folder,
     load_image_folder_train,
     load_imdb,
     split_indices,
 )
+from vit_service.data.datasets import DatasetStore, TextTable
 from vit_service.data.tokenized import tokenize_splits, tokenized_cache_dir
 from vit_service.data.tokenizer import TextTokenizer
 from vit_service.tta import predict
@@ -143,19 +147,26 @@ class ImageTask(Task):
     kind, unit = "image", "img"
 
     def __init__(self, recipe: Recipe, dist: DistInfo, data_dir: str | Path | None,
-                 cache_dir: str | Path | None = None, dataset: ImageDataset | None = None
-                 ) -> None:
+                 cache_dir: str | Path | None = None, dataset: ImageDataset | None = None,
+                 datasets: DatasetStore | None = None) -> None:
         super().__init__(recipe, dist)
         d = recipe.data
+        val_part = None  # an uploaded set's own val/ rows (else val is carved from train)
         if dataset is not None:
             ds = dataset
+        elif recipe.uploaded:
+            ds, val_part = _uploaded_images(recipe, _store(datasets), cache_dir)
         elif d.dataset == "imagefolder":
             assert d.path is not None
             ds = load_image_folder_train(d.path, d.image_size, cache_dir)
         else:
             ds = load_cifar10(data_dir, "train", image_size=d.image_size, cache_dir=cache_dir)
         self.class_names = list(ds.class_names)
-        train_idx, val_idx = split_indices(ds.labels, d.val_size, d.split_seed, d.subset)
+        if val_part is not None:
+            train_idx, val_idx = np.arange(val_part[0]), np.arange(*val_part)
+        else:
+            train_idx, val_idx = split_indices(ds.labels, _val_count(recipe, len(ds)),
+                                               d.split_seed, d.subset)
         self.n_train, self.n_val = len(train_idx), len(val_idx)
 
         def to_dev(idx: np.ndarray) -> tuple[Tensor, Tensor]:
@@ -212,8 +223,8 @@ class TextTask(Task):
     kind, unit = "text", "tok"
 
     def __init__(self, recipe: Recipe, dist: DistInfo, data_dir: str | Path | None,
-                 cache_dir: str | Path | None = None, tokenizer: TextTokenizer | None = None
-                 ) -> None:
+                 cache_dir: str | Path | None = None, tokenizer: TextTokenizer | None = None,
+                 datasets: DatasetStore | None = None) -> None:
         """``tokenizer``: use this vocabulary (a pretrained encoder's) instead of training one
         on the train part. With ``data.include_unsup`` (objective mlm) the 50,000 unlabelled
         reviews join the train part (label -1); validation stays the labelled held-out part
@@ -222,10 +233,13 @@ class TextTask(Task):
         d = recipe.data
         assert d.vocab_size is not None and d.max_len is not None
         self.max_len = d.max_len
-        ds = load_imdb(data_dir, "train", cache_dir=cache_dir)
+        ds: TextDataset | TextTable = (_uploaded_texts(recipe, _store(datasets))
+                                       if recipe.uploaded
+                                       else load_imdb(data_dir, "train", cache_dir=cache_dir))
         self.class_names = list(ds.class_names)
         labels = np.asarray(ds.labels)
-        train_idx, val_idx = split_indices(labels, d.val_size, d.split_seed, d.subset)
+        train_idx, val_idx = split_indices(labels, _val_count(recipe, len(ds)), d.split_seed,
+                                           d.subset)
         self.val_texts = [ds.texts[i] for i in val_idx]
         train_labels = labels[train_idx]
         unsup_texts: list[str] = []
@@ -337,17 +351,67 @@ class TextTask(Task):
         return {"max_len": self.max_len, "truncation": self.recipe.data.truncation}
 
 
+def _store(datasets: DatasetStore | None) -> DatasetStore:
+    if datasets is None:
+        raise DataNotFoundError("an uploaded data set needs the service's data set store")
+    return datasets
+
+
+def _val_count(recipe: Recipe, n: int) -> int:
+    """Rows held out for validation: ``data.val_fraction`` of them when set, else
+    ``data.val_size``."""
+    f = recipe.data.val_fraction
+    return max(1, round(f * n)) if f is not None else recipe.data.val_size
+
+
+def _uploaded_texts(recipe: Recipe, store: DatasetStore) -> TextTable:
+    return _uploaded(recipe, lambda i: store.text_table(i))
+
+
+def _uploaded(recipe: Recipe, read: Callable[[str], Any]) -> Any:
+    """``read(id)`` of the recipe's uploaded data set, or :class:`DataNotFoundError` saying
+    what is missing (no id, an unknown one, a set of the other kind)."""
+    dataset = recipe.data.dataset
+    if dataset is None:
+        raise DataNotFoundError(f"recipe {recipe.name} trains on an uploaded data set: give "
+                                "its id (--set data.dataset=<id>; POST /v1/datasets)")
+    try:
+        return read(dataset)
+    except KeyError:
+        raise DataNotFoundError(f"unknown data set {dataset!r} (POST /v1/datasets)") from None
+    except ValueError as e:  # a text set under an image model, or the reverse
+        raise DataNotFoundError(f"recipe {recipe.name}: {e}") from None
+
+
+def _uploaded_images(recipe: Recipe, store: DatasetStore, cache_dir: str | Path | None
+                     ) -> tuple[ImageDataset, tuple[int, int] | None]:
+    """An uploaded image set (its ``train/`` tree, and its ``val/`` one appended with labels
+    mapped by class name) and the ``(start, stop)`` rows of that val part, if any."""
+    d = recipe.data
+    tree: Path = _uploaded(recipe, lambda i: store.image_tree(i))
+    train = load_image_folder(tree, "train", image_size=d.image_size, cache_dir=cache_dir)
+    if not (tree / "val").is_dir():
+        return train, None
+    val = load_image_folder(tree, "val", image_size=d.image_size, cache_dir=cache_dir)
+    to_train = np.array([train.class_names.index(c) for c in val.class_names])
+    both = ImageDataset(np.concatenate([train.images, val.images]),
+                        np.concatenate([train.labels, to_train[val.labels]]),
+                        list(train.class_names), str(tree))
+    return both, (len(train), len(both))
+
+
 def build_task(recipe: Recipe, dist: DistInfo, data_dir: str | Path | None,
-               cache_dir: str | Path | None = None, tokenizer: TextTokenizer | None = None
-               ) -> Task:
+               cache_dir: str | Path | None = None, tokenizer: TextTokenizer | None = None,
+               datasets: DatasetStore | None = None) -> Task:
     """The recipe's task (``tokenizer``: text only, a pretrained encoder's vocabulary). Under
     DDP rank 0 goes first (filling the decode/tokenisation caches) while the other ranks wait,
     then read the caches."""
 
     def make() -> Task:
         if recipe.task == "image":
-            return ImageTask(recipe, dist, data_dir, cache_dir)
-        return TextTask(recipe, dist, data_dir, cache_dir, tokenizer=tokenizer)
+            return ImageTask(recipe, dist, data_dir, cache_dir, datasets=datasets)
+        return TextTask(recipe, dist, data_dir, cache_dir, tokenizer=tokenizer,
+                        datasets=datasets)
 
     if not dist.enabled:
         return make()

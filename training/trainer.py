@@ -228,6 +228,9 @@ class Trainer:
                     **run_params(s, self.state.total_steps),
                     # what the champion check compares: scores count only on the same split
                     s.mlrun.tracking.SPLIT_PARAM: s.task.val_fingerprint()})
+                if r.uploaded and r.data.dataset is not None:  # the data the model saw
+                    s.mlrun.log_dataset(s.datasets.get(r.data.dataset),
+                                        s.datasets.data_path(r.data.dataset))
                 if s.lineage.init != "scratch":
                     s.mlrun.log_lineage(s.lineage.to_dict(), s.init_source.parent_recipe
                                         if s.init_source else None)

@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     default_text_model: str = Field("imdb-sentiment", description="model used by /v1/predict/text")
     host: str = Field("127.0.0.1", description="`vit-service serve` bind address")
     port: int = Field(8000, ge=0, le=65535, description="`vit-service serve` port")
+    discover_models: int = Field(
+        20, ge=0, description="also serve up to N registered models whose @champion alias is "
+        "set (found at start-up and at every reload poll); 0: only `models`")
     reload_interval_s: float = Field(
         30.0, ge=0, description="poll the registry for moved aliases this often; 0 = never"
     )

@@ -117,6 +117,7 @@ class JobManager:
         self.validate(recipe, overrides)
         if self.validate is validation.validate_recipe:  # a real recipe: its model can be counted
             validation.check_model_size(recipe, overrides, self.settings.jobs_max_params)
+            validation.check_dataset(recipe, overrides, self.settings)
         self._check_queue()
         self.executor.check()
         job = self.store.create(name=name, recipe=recipe, overrides=overrides, nprocs=nprocs,

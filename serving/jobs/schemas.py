@@ -10,7 +10,7 @@ from serving.jobs.model import Job, JobProgress
 __all__ = ["Job", "JobCreate", "JobList", "JobLogs", "JobMetrics", "JobProgress", "Recipe",
            "RecipeList"]
 
-Scalar = bool | int | float | str
+Scalar = bool | int | float | str | None  # null unsets an optional field (budget_minutes)
 
 
 class JobCreate(BaseModel):
@@ -21,7 +21,8 @@ class JobCreate(BaseModel):
     )
     overrides: dict[str, Scalar] = Field(
         default_factory=dict, examples=[{"epochs": 2, "model.pos_encoding": "learned"}],
-        description="dotted recipe keys -> values, validated against the recipe's schema",
+        description="dotted recipe keys -> values, validated against the recipe's schema "
+        "(null unsets an optional field, e.g. budget_minutes: train by epochs)",
     )
     name: str = Field("", max_length=200, description="a label for people")
     nprocs: int = Field(1, ge=1, description="processes (torchrun/DDP) for this job")

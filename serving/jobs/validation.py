@@ -144,3 +144,24 @@ def _set(overrides: dict[str, Any], dotted: str, value: Any) -> None:
         if isinstance(overrides[k], dict):
             _set(overrides[k], dotted[len(k) + 1:], value)
             return
+
+
+def check_dataset(recipe: str, overrides: dict[str, Any], settings: Settings) -> None:
+    """A recipe on an uploaded data set: its id is given, known, and of the recipe's kind
+    (images for a ViT, texts for a text encoder)."""
+    from training.recipes import load_recipe
+    from vit_service.data.datasets import DatasetStore
+
+    r = load_recipe(recipe, overrides)
+    if not r.uploaded:
+        return
+    if r.data.dataset is None:
+        raise JobError(422, f"recipe {recipe} trains on an uploaded data set: give its id "
+                            "as data.dataset (POST /v1/datasets answers it)")
+    try:
+        info = DatasetStore(Path(settings.home) / "datasets").get(r.data.dataset)
+    except KeyError:
+        raise JobError(422, f"unknown data set {r.data.dataset!r}") from None
+    if info.kind != r.task:
+        raise JobError(422, f"data set {info.id} holds {info.kind}s: recipe {recipe} trains "
+                            f"on {r.task}s")

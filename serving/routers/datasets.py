@@ -16,7 +16,8 @@ from pydantic import BaseModel
 from serving.deps import ApiKeyDep
 from serving.errors import InvalidRequestError, UnsupportedMediaTypeError, error_responses
 from serving.jobs import JobManager, JobState
-from vit_service.data.datasets import DatasetError, DatasetInfo, DatasetStore
+from vit_service.data.datasets import DatasetInfo, DatasetStore
+from vit_service.data.upload_checks import DatasetError
 
 UPLOAD_TYPES = ("application/zip", "application/gzip", "application/x-gzip",
                 "application/x-tar", "text/csv", "application/x-ndjson", "application/jsonl",

@@ -78,7 +78,8 @@ async function loadCard(task) {
     let html = `<h3>${esc(c.name)} <span class="muted">v${esc(c.version || "local")}${c.alias ? " @" + esc(c.alias) : ""}</span></h3>`;
     html += `<dl><dt>recipe</dt><dd>${esc(c.recipe || "–")}</dd><dt>parameters</dt><dd>${c.parameters.toLocaleString("en")}</dd>` +
       `<dt>validation accuracy</dt><dd class="val-acc">${pct(c.val_acc)}</dd><dt>training time</dt><dd>${mins(c.training_s)}</dd>` +
-      `<dt>steps</dt><dd>${c.step == null ? "–" : c.step}</dd></dl>`;
+      `<dt>steps</dt><dd>${c.step == null ? "–" : c.step}</dd>` +
+      `<dt>classes</dt><dd class="classes" title="${esc(c.classes.join(", "))}">${esc(c.classes.slice(0, 12).join(", "))}${c.classes.length > 12 ? ` … (${c.classes.length})` : ""}</dd></dl>`;
     if (c.run_url) html += `<a href="${esc(c.run_url)}" target="_blank" rel="noopener">MLflow run ↗</a>`;
     if (c.per_class) {
       html += `<table class="recall"><tr><th>class</th><th>recall</th></tr>` +

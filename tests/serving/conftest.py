@@ -61,12 +61,30 @@ class Registry:
     vit_v2_bundle: Path  # the weights of reload-vit v2
 
     def settings(self, models: dict[str, str] | None = None, **overrides: Any) -> Settings:
+        # discover_models 0: the tests share one registry, whose champions come and go with
+        # the tests that register them (discovery has its own test on its own registry)
         base: dict[str, Any] = {"home": self.home, "tracking_uri": self.uri,
-                                "reload_interval_s": 0, "max_wait_ms": 2.0}
+                                "reload_interval_s": 0, "max_wait_ms": 2.0,
+                                "discover_models": 0}
         base.update(overrides)
         if models is not None:
             base["models"] = models
         return clean_settings(**base)
+
+    def register_copy(self, name: str, champion: bool, tmp_path: Path) -> None:
+        """A copy of the local bundle registered as ``name``, its classes ``<name>-<i>``
+        (a user's own model), with the ``champion`` alias if asked."""
+        from vit_service.bundle import load_bundle
+
+        b = load_bundle(self.local_bundle)
+        b.meta.class_names = [f"{name}-{i}" for i in range(len(b.meta.class_names))]
+        bundle = save_bundle(tmp_path / name, b.model, b.meta)
+        tracking.configure(settings=self.settings())
+        mlflow.set_experiment(experiment_id=self.experiment_id)
+        with mlflow.start_run():
+            version = tracking.log_bundle(bundle, "image", name)
+        if champion:
+            mlflow.MlflowClient().set_registered_model_alias(name, tracking.CHAMPION, version)
 
 
 def _perturbed(model: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.nn.Module:

@@ -59,3 +59,6 @@ class Server:
     def post(self, path: str, **kw) -> httpx.Response:
         headers = {**AUTH, **kw.pop("headers", {})}
         return httpx.post(self.url + path, headers=headers, timeout=30, **kw)
+
+    def delete(self, path: str, **kw) -> httpx.Response:
+        return httpx.delete(self.url + path, headers=AUTH, timeout=30, **kw)

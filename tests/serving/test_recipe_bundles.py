@@ -6,6 +6,9 @@ step) except for the data size, the step count and the budget; its bundle is the
 through the API and asked for relevance and faithfulness in both inference precisions (fp32,
 and bf16 as a CPU with native bf16 serves by default), and by a two-worker server.
 
+The generic recipes train on sets uploaded to the service's data set store, made from the same
+archives by ``examples/own_data.py``.
+
 Not trained here: the pretraining recipes (they register encoders, which are not served for
 predictions) and the fine-tuning ones' ``init.from`` step (their classifiers are their
 parents' architectures, which are trained here with ``init.from`` unset).
@@ -53,9 +56,27 @@ def _served_recipes() -> list[str]:
 RECIPES = _served_recipes()
 
 
+def _own_set(task: str, data: Path, home: Path) -> str:
+    """A generic recipe's uploaded set, made by examples/own_data.py from the archives: three
+    CIFAR-10 classes with a val/ split, or the reviews labelled by star band."""
+    from examples.own_data import image_subset, star_table
+    from vit_service.data.datasets import DatasetStore
+
+    home.mkdir(parents=True, exist_ok=True)
+    if task == "image":
+        made = image_subset(data / "cifar10-jpeg-train.tar.gz", home / "own.zip",
+                            ["airplane", "bird", "cat"], per_class=12, val_per_class=4)
+    else:
+        made = star_table(data / "aclImdb-train.tar.gz", home / "own.csv")
+    info, _ = DatasetStore(home / "datasets").add(made, made.name)
+    return info.id
+
+
 def _train(recipe: str, data: Path, home: Path) -> Path:
     r = load_recipe(recipe)
     sets = [*SMALL[r.task], "budget_minutes=null", "attention_samples=0", "device=cpu"]
+    if r.uploaded:
+        sets.append(f"data.dataset={_own_set(r.task, data, home)}")
     if r.init.from_ is not None:
         sets.append("init.from=null")
     if r.task == "text" and r.data.max_len > 64:

@@ -53,6 +53,8 @@ def server(registry, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve
         "VIT_SERVICE_MLFLOW_UI_URL": "http://127.0.0.1:5000",
         "LOG_LEVEL": "WARNING",
     })
+    # a user's own model: registered with @champion, served by discovery beside the two above
+    registry.register_copy("my-pets", champion=True, tmp_path=root)
     s = Server(env, root)
     s.start()
     yield s
@@ -218,6 +220,27 @@ def test_model_card_shows_mlflow_accuracy(server: Server, browser) -> None:
     browser.save_screenshot(str(SCREENSHOTS / "model-card.png"))
 
 
+def test_the_model_picker_offers_registered_champions(server: Server, browser, tmp_path
+                                                      ) -> None:
+    path = tmp_path / "pet.png"
+    Image.fromarray(np.full((40, 48, 3), 120, dtype=np.uint8)).save(path)
+    browser.get(server.url + "/")
+    picker = Select(_wait(browser, EC.presence_of_element_located((By.ID, "image-model"))))
+    _wait(browser, lambda d: "my-pets" in d.find_element(By.ID, "image-model").text)
+    names = [o.get_attribute("value") for o in picker.options]
+    assert {"cifar10-vit", "my-pets"} <= set(names) and "imdb-sentiment" not in names
+    picker.select_by_value("my-pets")
+    card = browser.find_element(By.ID, "image-card")
+    _wait(browser, lambda d: "my-pets" in card.text and "my-pets-0" in card.text)
+    browser.find_element(By.ID, "file").send_keys(str(path))
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#image-preds li"))
+    preds = browser.find_elements(By.CSS_SELECTOR, "#image-preds li")
+    assert preds and all("my-pets-" in p.text for p in preds)
+    assert "my-pets" in browser.find_element(By.ID, "image-model-info").text
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(SCREENSHOTS / "model-picker.png"))
+
+
 def test_empty_states_for_a_newcomer(registry, browser, tmp_path_factory) -> None:
     root = tmp_path_factory.mktemp("web-empty")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIT_SERVICE_", "MLFLOW_"))}
@@ -225,7 +248,8 @@ def test_empty_states_for_a_newcomer(registry, browser, tmp_path_factory) -> Non
         "MLFLOW_TRACKING_URI": registry.uri, "VIT_SERVICE_HOME": str(root),
         "VIT_SERVICE_MODELS": json.dumps({"cifar10-vit": "models:/not-trained-yet@champion",
                                           "imdb-sentiment": "models:/nor-this@champion"}),
-        "LOG_LEVEL": "WARNING",
+        # the shared registry holds champions; a newcomer's does not
+        "VIT_SERVICE_DISCOVER_MODELS": "0", "LOG_LEVEL": "WARNING",
     })
     s = Server(env, root)
     s.start()

@@ -1,5 +1,6 @@
 import pytest
 
+from training.recipe_schema import RESERVED_NAMES
 from training.recipes import (
     RecipeError,
     flatten,
@@ -21,7 +22,9 @@ def test_every_shipped_recipe_validates_and_has_a_description() -> None:
         r = load_recipe(name)
         assert r.name == name and desc
         assert r.model.pos_encoding in ("learned", "sinusoidal", "none")
-        if getattr(r, "objective", "classify") == "classify":  # pretraining registers others
+        if r.uploaded:  # a generic recipe: the user's data set, a name of the user's own
+            assert r.data.dataset is None and r.register_as not in RESERVED_NAMES
+        elif getattr(r, "objective", "classify") == "classify":  # pretraining registers others
             assert r.register_as in (None, "cifar10-vit", "imdb-sentiment")
 
 
@@ -97,3 +100,19 @@ def test_override_helpers() -> None:
     assert parse_value("null") is None
     assert parse_value("learned") == "learned"
     assert flatten({"a": {"b": 1, "c": {"d": 2}}, "e": {}}) == {"a.b": 1, "a.c.d": 2, "e": {}}
+
+
+def test_generic_recipes_take_an_uploaded_data_set_and_a_name() -> None:
+    img = load_recipe("image-classifier-cpu", {"data.dataset": "0123456789abcdef",
+                                               "register_as": "pets"})
+    assert img.uploaded and img.task == "image" and img.register_as == "pets"
+    txt = load_recipe("text-classifier-cpu", {"data.dataset": "0123456789abcdef"})
+    assert txt.uploaded and txt.task == "text" and txt.data.val_fraction == 0.1
+    for bad in ({"data.dataset": "../../etc/passwd"}, {"data.dataset": "0123456789ABCDEF"},
+                {"register_as": "cifar10-vit"}, {"register_as": "a/b"},
+                {"register_as": "../x"}):
+        with pytest.raises(RecipeError):
+            load_recipe("image-classifier-cpu", bad)
+    assert not load_recipe("cifar10-smoke").uploaded
+    with pytest.raises(RecipeError, match="register_as"):
+        load_recipe("cifar10-smoke", {"register_as": "pets"})  # built-in data: the fixed name

@@ -1,64 +1,37 @@
-"""Users' own data sets: an uploaded file checked member by member, then kept content-addressed.
+"""Users' own data sets, kept content-addressed, and read back for training.
 
-Two kinds:
-
-* ``image``: an ImageFolder tree as ``.zip`` or ``.tar.gz`` (``[<root>/][train|val/]<class>/
-  <file>``; a ``val/`` split is optional). Every member's path is checked (no absolute path, no
-  ``..``, no link or device), the archive's expansion is capped (member count, bytes, the
-  compression ratio of each member: a zip bomb is refused before it is inflated), and every
-  image is decoded (its pixel count checked from the header first).
-* ``text``: a labelled table as CSV (a header with ``text`` and ``label`` columns) or JSON
-  Lines (one object per line with ``text`` and ``label``).
-
-Both need at least two classes and ``min_per_class`` examples of each in the train part. A
-failure raises :class:`DatasetError` naming the member or the line. :class:`DatasetStore` keeps
-an accepted upload under ``<root>/<id>/`` (``id``: the first 16 hex digits of its sha256),
-written to a temporary folder and renamed into place, so nothing half-written is ever listed.
+:class:`DatasetStore` keeps an upload that passed :mod:`vit_service.data.upload_checks` under
+``<root>/<id>/`` (``id``: the first 16 hex digits of its sha256): the file as uploaded
+(``data.<format>``), ``meta.json`` (:class:`DatasetInfo`), and for an image set its images as an
+ImageFolder tree (``tree/train/<class>/...``, ``tree/val/...``), which the image loaders read. It
+is written to a temporary folder and renamed into place, so nothing half-written is ever listed.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
-import io
 import json
 import logging
-import posixpath
+import re
 import shutil
-import statistics
-import tarfile
 import time
-import zipfile
-from collections import Counter
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
+import numpy as np
+
+from vit_service.data.upload_checks import (
+    DatasetLimits,
+    inspect_image_archive,
+    inspect_text_table,
+    sniff_format,
+)
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "val")
-IGNORED = ("__MACOSX/", ".DS_Store", "Thumbs.db")  # what archivers add beside the tree
-ZIP_MAGIC, GZIP_MAGIC = b"PK\x03\x04", b"\x1f\x8b"
-
-
-class DatasetError(ValueError):
-    """An upload that is not a usable data set; the message says which member or line."""
-
-
-@dataclass(frozen=True)
-class DatasetLimits:
-    """What one upload may expand to (the upload's own size is capped by the server)."""
-
-    max_members: int = 200_000  # files in an archive
-    max_expanded_bytes: int = 4 * 2**30  # the archive's members, inflated
-    max_ratio: float = 200.0  # a member's inflated / compressed size (zip bombs exceed it)
-    max_image_pixels: int = 12_000_000  # per image, read from its header before decoding
-    min_per_class: int = 5  # examples of each class in the train part
-    max_classes: int = 1000
-    max_text_chars: int = 100_000  # per text row
+DATASET_ID = re.compile(r"^[0-9a-f]{16}$")
 
 
 @dataclass
@@ -80,241 +53,21 @@ class DatasetInfo:
         return asdict(self)
 
 
-# ----------------------------------------------------------------------------- images
+@dataclass
+class TextTable:
+    """A labelled text set: ``labels`` index ``class_names`` (sorted)."""
 
+    texts: list[str]
+    labels: np.ndarray  # (N,) int64
+    class_names: list[str]
+    source: str
 
-def _member_path(name: str) -> str | None:
-    """The member's normalised relative path, or None for what archivers add beside the
-    tree; a path that escapes the archive raises."""
-    if any(part in name for part in IGNORED) or name.endswith("/"):
-        return None
-    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
-        raise DatasetError(f"member {name!r}: absolute paths are not allowed")
-    parts = name.replace("\\", "/").split("/")
-    if ".." in parts:
-        raise DatasetError(f"member {name!r}: '..' is not allowed in a member path")
-    path = posixpath.normpath(name.replace("\\", "/"))
-    base = posixpath.basename(path)
-    return None if base.startswith(".") else path
-
-
-def _zip_members(path: Path, limits: DatasetLimits) -> Iterator[tuple[str, bytes]]:
-    try:
-        zf = zipfile.ZipFile(path)
-    except zipfile.BadZipFile as e:
-        raise DatasetError(f"not a readable zip archive: {e}") from None
-    with zf:
-        infos = zf.infolist()
-        if len(infos) > limits.max_members:
-            raise DatasetError(f"{len(infos)} members: at most {limits.max_members} allowed")
-        total = 0
-        for info in infos:
-            name = _member_path(info.filename)
-            if name is None or info.is_dir():
-                continue
-            if (info.external_attr >> 16) & 0o170000 == 0o120000:
-                raise DatasetError(f"member {info.filename!r}: links are not allowed")
-            ratio = info.file_size / max(1, info.compress_size)
-            if ratio > limits.max_ratio:
-                raise DatasetError(f"member {info.filename!r} inflates {ratio:.0f}x: at most "
-                                   f"{limits.max_ratio:.0f}x allowed (a zip bomb?)")
-            total += info.file_size
-            if total > limits.max_expanded_bytes:
-                raise DatasetError(f"the archive inflates past {limits.max_expanded_bytes} "
-                                   "bytes")
-            try:
-                yield name, zf.read(info)
-            except (zipfile.BadZipFile, OSError, EOFError) as e:
-                raise DatasetError(f"member {info.filename!r} cannot be read: {e}") from None
-
-
-def _tar_members(path: Path, limits: DatasetLimits) -> Iterator[tuple[str, bytes]]:
-    compressed = path.stat().st_size
-    try:
-        tf = tarfile.open(path, "r:*")
-    except (tarfile.TarError, OSError, EOFError) as e:
-        raise DatasetError(f"not a readable tar.gz archive: {e}") from None
-    with tf:
-        total = count = 0
-        try:
-            for m in tf:
-                count += 1
-                if count > limits.max_members:
-                    raise DatasetError(f"more than {limits.max_members} members")
-                if m.isdir():
-                    continue
-                name = _member_path(m.name)
-                if name is None:
-                    continue
-                if not m.isfile():
-                    raise DatasetError(f"member {m.name!r}: only regular files are allowed")
-                total += m.size
-                cap = min(limits.max_expanded_bytes, int(limits.max_ratio * compressed))
-                if total > cap:
-                    raise DatasetError(f"the archive inflates past {cap} bytes, "
-                                       f"{limits.max_ratio:.0f}x its size (a gzip bomb?)")
-                f = tf.extractfile(m)
-                yield name, f.read() if f is not None else b""
-        except (tarfile.TarError, OSError, EOFError, ValueError) as e:
-            if isinstance(e, DatasetError):
-                raise
-            raise DatasetError(f"the archive is corrupt: {e}") from None
-
-
-def _split_class(parts: list[str]) -> tuple[str, str] | None:
-    """``[train|val/]<class>/<file>`` -> (split, class); None for a file outside classes."""
-    if len(parts) >= 3 and parts[-3] in SPLITS:
-        return parts[-3], parts[-2]
-    if len(parts) >= 2:
-        return "train", parts[-2]
-    return None
-
-
-def _strip_root(names: list[str]) -> int:
-    """How many leading folders every member shares (a tree zipped with its top folder)."""
-    split = [n.split("/")[:-1] for n in names]
-    depth = 0
-    while (split and all(len(s) > depth + 1 for s in split)
-           and len({s[depth] for s in split}) == 1 and split[0][depth] not in SPLITS):
-        depth += 1
-    return depth
-
-
-def inspect_image_archive(path: Path, fmt: str, limits: DatasetLimits) -> tuple[
-        list[str], dict[str, dict[str, int]], dict[str, Any]]:
-    """Classes, counts per split and image size statistics of an ImageFolder archive."""
-    members = _zip_members(path, limits) if fmt == "zip" else _tar_members(path, limits)
-    decoded: list[tuple[str, int, int]] = []  # (member, width, height), decoded as streamed
-    for name, data in members:
-        try:
-            with Image.open(io.BytesIO(data)) as img:
-                w, h = img.size
-                if w * h > limits.max_image_pixels:
-                    raise DatasetError(f"member {name!r}: {w}x{h} pixels, at most "
-                                       f"{limits.max_image_pixels} allowed")
-                img.load()
-        except DatasetError:
-            raise
-        except Exception as e:  # PIL raises many kinds for a corrupt file
-            raise DatasetError(f"member {name!r} is not a decodable image "
-                               f"({type(e).__name__})") from None
-        decoded.append((name, w, h))
-    depth = _strip_root([n for n, _, _ in decoded])
-    seen: list[tuple[str, str, str]] = []  # (member, split, class)
-    for name, _, _ in decoded:
-        where = _split_class(name.split("/")[depth:])
-        if where is None:
-            raise DatasetError(f"member {name!r} is not inside a class folder "
-                               "([train|val/]<class>/<file>)")
-        seen.append((name, *where))
-    widths, heights = [w for _, w, _ in decoded], [h for _, _, h in decoded]
-    counts: dict[str, dict[str, int]] = {}
-    for _, split, cls in seen:
-        counts.setdefault(split, Counter())[cls] += 1  # type: ignore[index]
-    stats = ({"width": _summary(widths), "height": _summary(heights)} if widths else {})
-    return _check_classes(counts, limits), {s: dict(c) for s, c in counts.items()}, stats
-
-
-# ----------------------------------------------------------------------------- text
-
-
-def _rows(path: Path, fmt: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, row) of a CSV or JSON Lines file."""
-    with path.open(encoding="utf-8", newline="") as f:
-        try:
-            if fmt == "csv":
-                reader = csv.DictReader(f)
-                missing = {"text", "label"} - set(reader.fieldnames or [])
-                if missing:
-                    raise DatasetError(f"line 1: the header lacks the column(s) "
-                                       f"{', '.join(sorted(missing))} (have "
-                                       f"{', '.join(reader.fieldnames or []) or 'none'})")
-                for row in reader:
-                    yield reader.line_num, row
-                return
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DatasetError(f"line {n}: not JSON ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise DatasetError(f"line {n}: a JSON object with text and label expected")
-                yield n, row
-        except UnicodeDecodeError as e:
-            raise DatasetError(f"not UTF-8 text (byte {e.start})") from None
-        except csv.Error as e:
-            raise DatasetError(f"not a readable CSV file: {e}") from None
-
-
-def inspect_text_table(path: Path, fmt: str, limits: DatasetLimits) -> tuple[
-        list[str], dict[str, dict[str, int]], dict[str, Any]]:
-    """Classes, counts and text length statistics of a labelled CSV / JSON Lines file."""
-    counts: Counter[str] = Counter()
-    words: list[int] = []
-    for n, row in _rows(path, fmt):
-        text, label = row.get("text"), row.get("label")
-        if not isinstance(text, str) or not text.strip():
-            raise DatasetError(f"line {n}: 'text' is missing or empty")
-        if label is None or (isinstance(label, str) and not label.strip()):
-            raise DatasetError(f"line {n}: 'label' is missing or empty")
-        if isinstance(label, (dict, list)):
-            raise DatasetError(f"line {n}: 'label' must be a string or a number")
-        if len(text) > limits.max_text_chars:
-            raise DatasetError(f"line {n}: {len(text)} characters, at most "
-                               f"{limits.max_text_chars} allowed")
-        counts[str(label).strip()] += 1
-        words.append(len(text.split()))
-    split = {"train": dict(counts)}
-    return _check_classes(split, limits), split, ({"words": _summary(words)} if words else {})
-
-
-# ----------------------------------------------------------------------------- shared
-
-
-def _summary(values: list[int]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values),
-            "mean": round(statistics.fmean(values), 1)}
-
-
-def _check_classes(counts: dict[str, Any], limits: DatasetLimits) -> list[str]:
-    train = counts.get("train") or {}
-    classes = sorted(train)
-    if len(classes) < 2:
-        raise DatasetError(f"{len(classes)} class(es) in the train part: at least 2 needed")
-    if len(classes) > limits.max_classes:
-        raise DatasetError(f"{len(classes)} classes: at most {limits.max_classes} allowed")
-    few = {c: n for c, n in train.items() if n < limits.min_per_class}
-    if few:
-        shown = ", ".join(f"{c}: {n}" for c, n in sorted(few.items())[:5])
-        raise DatasetError(f"at least {limits.min_per_class} examples per class needed in the "
-                           f"train part ({shown})")
-    unknown = set(counts.get("val") or {}) - set(classes)
-    if unknown:
-        raise DatasetError(f"val/ has classes the train part lacks: {', '.join(sorted(unknown))}")
-    return classes
-
-
-def sniff_format(path: Path, filename: str) -> tuple[str, str]:
-    """(kind, format) of an upload, from its first bytes, else its name."""
-    with path.open("rb") as f:
-        head = f.read(4)
-    if head.startswith(ZIP_MAGIC):
-        return "image", "zip"
-    if head.startswith(GZIP_MAGIC):
-        return "image", "tar.gz"
-    lower = filename.lower()
-    if lower.endswith(".csv"):
-        return "text", "csv"
-    if lower.endswith((".jsonl", ".ndjson", ".json")):
-        return "text", "jsonl"
-    raise DatasetError(f"{filename!r}: expected an ImageFolder .zip / .tar.gz, or a .csv / "
-                       ".jsonl table with text and label")
+    def __len__(self) -> int:
+        return len(self.texts)
 
 
 class DatasetStore:
-    """Data sets under ``root`` (``<root>/<id>/data.<format>`` + ``meta.json``)."""
+    """Data sets under ``root`` (see the module docstring)."""
 
     def __init__(self, root: Path, limits: DatasetLimits | None = None) -> None:
         self.root, self.limits = Path(root), limits or DatasetLimits()
@@ -322,10 +75,15 @@ class DatasetStore:
     def add(self, upload: Path, filename: str) -> tuple[DatasetInfo, bool]:
         """Check ``upload`` and keep it; returns its info and whether it is new (the same
         bytes uploaded again give the same id). ``upload`` is consumed (moved or deleted)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-{time.monotonic_ns()}"
         try:
             kind, fmt = sniff_format(upload, filename)
-            inspect = inspect_image_archive if kind == "image" else inspect_text_table
-            classes, counts, stats = inspect(upload, fmt, self.limits)
+            if kind == "image":
+                classes, counts, stats = inspect_image_archive(upload, fmt, self.limits,
+                                                               keep=tmp / "tree")
+            else:
+                classes, counts, stats = inspect_text_table(upload, fmt, self.limits)
             digest = _sha256(upload)
             info = DatasetInfo(id=digest[:16], kind=kind, format=fmt,
                                filename=Path(filename).name[:200], sha256=digest,
@@ -334,14 +92,12 @@ class DatasetStore:
             final = self.root / info.id
             if (final / "meta.json").is_file():
                 return self.get(info.id), False
-            tmp = self.root / f".tmp-{info.id}-{time.monotonic_ns()}"
-            tmp.mkdir(parents=True)
+            tmp.mkdir(exist_ok=True)
+            shutil.move(str(upload), tmp / f"data.{fmt}")
+            (tmp / "meta.json").write_text(json.dumps(info.to_dict(), indent=1))
             try:
-                shutil.move(str(upload), tmp / f"data.{fmt}")
-                (tmp / "meta.json").write_text(json.dumps(info.to_dict(), indent=1))
                 tmp.rename(final)
             except OSError:
-                shutil.rmtree(tmp, ignore_errors=True)
                 if (final / "meta.json").is_file():  # a concurrent upload of the same bytes
                     return self.get(info.id), False
                 raise
@@ -349,12 +105,13 @@ class DatasetStore:
             return info, True
         finally:
             upload.unlink(missing_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def list(self) -> list[DatasetInfo]:
         if not self.root.is_dir():
             return []
         out = [self.get(p.name) for p in self.root.iterdir()
-               if not p.name.startswith(".") and (p / "meta.json").is_file()]
+               if DATASET_ID.match(p.name) and (p / "meta.json").is_file()]
         return sorted(out, key=lambda d: d.created_at, reverse=True)
 
     def get(self, dataset_id: str) -> DatasetInfo:
@@ -364,8 +121,29 @@ class DatasetStore:
         return DatasetInfo(**json.loads(meta.read_text()))
 
     def data_path(self, dataset_id: str) -> Path:
+        """The file as uploaded."""
+        return self._dir(dataset_id) / f"data.{self.get(dataset_id).format}"
+
+    def image_tree(self, dataset_id: str) -> Path:
+        """An image set's ImageFolder tree (``train/``, and ``val/`` when it has one)."""
+        if self.get(dataset_id).kind != "image":
+            raise ValueError(f"data set {dataset_id} holds texts, not images")
+        return self._dir(dataset_id) / "tree"
+
+    def text_table(self, dataset_id: str) -> TextTable:
+        """A text set's rows, labels indexing its sorted class names."""
         info = self.get(dataset_id)
-        return self._dir(dataset_id) / f"data.{info.format}"
+        if info.kind != "text":
+            raise ValueError(f"data set {dataset_id} holds images, not texts")
+        path = self.data_path(dataset_id)
+        index = {c: i for i, c in enumerate(info.classes)}
+        texts: list[str] = []
+        labels: list[int] = []
+        for row in _table_rows(path, info.format):
+            texts.append(str(row["text"]))
+            labels.append(index[str(row["label"]).strip()])
+        return TextTable(texts, np.asarray(labels, dtype=np.int64), list(info.classes),
+                         str(path))
 
     def delete(self, dataset_id: str) -> None:
         d = self._dir(dataset_id)
@@ -376,9 +154,17 @@ class DatasetStore:
         shutil.rmtree(trash, ignore_errors=True)
 
     def _dir(self, dataset_id: str) -> Path:
-        if not (len(dataset_id) == 16 and all(c in "0123456789abcdef" for c in dataset_id)):
+        if not DATASET_ID.match(dataset_id):
             raise KeyError(dataset_id)
         return self.root / dataset_id
+
+
+def _table_rows(path: Path, fmt: str) -> list[dict[str, Any]]:
+    """The rows of a checked table (its checks ran at upload)."""
+    with path.open(encoding="utf-8", newline="") as f:
+        if fmt == "csv":
+            return list(csv.DictReader(f))
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _sha256(path: Path) -> str:

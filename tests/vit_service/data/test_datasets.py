@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vit_service.data.datasets import DatasetError, DatasetLimits, DatasetStore
+from vit_service.data.datasets import DatasetStore
+from vit_service.data.upload_checks import DatasetError, DatasetLimits
 
 LIMITS = DatasetLimits(min_per_class=3)
 
