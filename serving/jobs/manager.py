@@ -108,7 +108,7 @@ class JobManager:
 
     # --- API operations -------------------------------------------------------------------------
     def submit(self, recipe: str, overrides: dict[str, Any], name: str = "",
-               nprocs: int = 1) -> Job:
+               nprocs: int = 1, priority: int = 0) -> Job:
         if not 1 <= nprocs <= self.settings.jobs_max_procs:
             raise JobError(422, f"nprocs must be between 1 and {self.settings.jobs_max_procs}")
         roots = [self.settings.data_dir.resolve(), self.settings.home.resolve()]
@@ -121,9 +121,9 @@ class JobManager:
         self._check_queue()
         self.executor.check()
         job = self.store.create(name=name, recipe=recipe, overrides=overrides, nprocs=nprocs,
-                                runs_root=self.runs_root)
-        log.info("job %s queued: %s %s", job.id, recipe, overrides)
-        return job
+                                runs_root=self.runs_root, priority=priority)
+        log.info("job %s queued (priority %d): %s %s", job.id, priority, recipe, overrides)
+        return self._with_queue([job])[0]
 
     def cancel(self, job_id: str) -> Job:
         job = self._get(job_id)
@@ -162,10 +162,10 @@ class JobManager:
         return done
 
     def get(self, job_id: str) -> Job:
-        return self._get(job_id)
+        return self._with_queue([self._get(job_id)])[0]
 
     def list(self, state: JobState | None = None, limit: int = 100) -> list[Job]:
-        return self.store.list(state, limit)
+        return self._with_queue(self.store.list(state, limit))
 
     def logs(self, job_id: str, tail: int = 100) -> list[str]:
         return tail_lines(self._get(job_id).log_path, tail)
@@ -194,7 +194,7 @@ class JobManager:
                 if self.executor.host_bound:
                     self._renew_leases()
                 while self._busy() < self.executor.concurrency:
-                    job = self.store.oldest_queued()
+                    job = self.store.next_queued()
                     if job is None:
                         break
                     self._launch(job)
@@ -302,6 +302,31 @@ class JobManager:
         if job is None:
             raise JobError(404, f"no job {job_id!r}")
         return job
+
+    def _with_queue(self, found: list[Job]) -> list[Job]:
+        """The jobs, the queued ones with their place in the queue and what they wait for."""
+        if not any(j.state == JobState.queued for j in found):
+            return found
+        order = {job_id: i for i, job_id in enumerate(self.store.queue_order())}
+        # from the table, not the executor: any API process (leader or not) answers the same
+        running = self._running()
+        busy = len([j for j in running if j.host in (None, self.host)]
+                   if self.executor.host_bound else running)
+        slots = self.executor.concurrency
+        out = []
+        for job in found:
+            pos = order.get(job.id)
+            if job.state != JobState.queued or pos is None:
+                out.append(job)
+                continue
+            if pos:
+                why = f"{pos} job{'s' * (pos > 1)} ahead in the queue"
+            elif busy >= slots:
+                why = f"a free slot: {busy} of {slots} running ({self.executor.name})"
+            else:
+                why = "the scheduler's next pass"
+            out.append(job.model_copy(update={"queue_position": pos + 1, "waiting_for": why}))
+        return out
 
     def _check_queue(self) -> None:
         """429 when the queue already holds ``jobs_max_queued`` jobs."""

@@ -88,6 +88,10 @@ class Job(BaseModel):
     mlflow_run_url: str | None = Field(None, description="the run in the MLflow UI")
     executor: str | None = Field(None, description="where the current attempt runs (local | "
                                  "ray), once that executor accepted it")
+    priority: int = Field(0, description="higher starts first; equal ones in submission order")
+    queue_position: int | None = Field(
+        None, description="while queued: 1 = admitted next (by priority, then age)")
+    waiting_for: str | None = Field(None, description="while queued: why it has not started")
     # --- internal ---------------------------------------------------------------------------
     run_dir: str = _internal(...)
     pid: int | None = _internal()

@@ -26,6 +26,8 @@ class JobCreate(BaseModel):
     )
     name: str = Field("", max_length=200, description="a label for people")
     nprocs: int = Field(1, ge=1, description="processes (torchrun/DDP) for this job")
+    priority: int = Field(0, ge=-10, le=10, description="admission order: higher starts "
+                          "first; equal priorities in submission order")
 
 
 class JobList(BaseModel):

@@ -69,11 +69,15 @@ jobs = Table(
     Column("executor", String(16)),
     Column("host", String(200)),  # the lease: see Job.host
     _when("heartbeat_at"),
+    Column("priority", Integer, nullable=False, default=0),  # higher starts first
 )
 
 # columns added after the first release: (name, DDL type), added to older tables on start-up
 _ADDED_COLUMNS = (("executor", "VARCHAR(16)"), ("host", "VARCHAR(200)"),
-                  ("heartbeat_at", "TIMESTAMP"))
+                  ("heartbeat_at", "TIMESTAMP"), ("priority", "INTEGER NOT NULL DEFAULT 0"))
+
+# the admission order: higher priority first, then first come, first served
+_QUEUE_ORDER = (jobs.c.priority.desc(), jobs.c.created_at, jobs.c.id)
 
 
 def _job(row: Row) -> Job:
@@ -145,12 +149,13 @@ class JobStore:
             self._add_missing_columns()
 
     def create(
-        self, *, name: str, recipe: str, overrides: dict[str, Any], nprocs: int, runs_root: Path
+        self, *, name: str, recipe: str, overrides: dict[str, Any], nprocs: int, runs_root: Path,
+        priority: int = 0,
     ) -> Job:
         job_id = uuid.uuid4().hex[:12]
         q = insert(jobs).values(
             id=job_id, name=name or f"{recipe}-{job_id}", recipe=recipe, overrides=overrides,
-            nprocs=nprocs, state=JobState.queued.value, created_at=utcnow(),
+            nprocs=nprocs, state=JobState.queued.value, created_at=utcnow(), priority=priority,
             run_dir=str((runs_root / f"job-{job_id}").resolve()), progress={},
         )
         with self.engine.begin() as conn:
@@ -169,12 +174,20 @@ class JobStore:
         with self.engine.connect() as conn:
             return [_job(r) for r in conn.execute(q)]
 
-    def oldest_queued(self) -> Job | None:
+    def next_queued(self) -> Job | None:
+        """The queued job admitted next (highest priority, then oldest)."""
         q = (select(jobs).where(jobs.c.state == JobState.queued.value)
-             .order_by(jobs.c.created_at).limit(1))
+             .order_by(*_QUEUE_ORDER).limit(1))
         with self.engine.connect() as conn:
             row = conn.execute(q).first()
         return _job(row) if row is not None else None
+
+    def queue_order(self) -> list[str]:
+        """The queued jobs' ids in admission order."""
+        q = (select(jobs.c.id).where(jobs.c.state == JobState.queued.value)
+             .order_by(*_QUEUE_ORDER))
+        with self.engine.connect() as conn:
+            return [r[0] for r in conn.execute(q)]
 
     def update(self, job_id: str, **values: Any) -> Job:
         if values:

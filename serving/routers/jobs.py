@@ -40,7 +40,7 @@ def list_recipes() -> RecipeList:
              summary="Queue a training job")
 async def create_job(body: JobCreate, jobs: JobsDep, settings: SettingsDep) -> Job:
     job = await run_in_threadpool(jobs.submit, body.recipe, body.overrides, body.name,
-                                  body.nprocs)
+                                  body.nprocs, body.priority)
     return job.with_run_url(settings.mlflow_ui_url)
 
 

@@ -358,6 +358,7 @@ async function refreshJobs() {
         const p = j.progress;
         let prog = p.total_steps ? `step ${p.step || 0}/${p.total_steps}` + (p.epoch != null ? `, epoch ${p.epoch + 1}` : "") : "";
         if (j.state === "running" && p.metrics.eta_s != null) prog += ` · <span class="eta">ETA ${fmtEta(p.metrics.eta_s)}</span>`;
+        if (j.state === "queued" && j.queue_position) prog = `<span class="queue">#${j.queue_position} in queue · waiting for ${esc(j.waiting_for || "")}</span>`;
         const on = state.picked.has(j.id) ? "checked" : "";
         const check = `<input type="checkbox" class="pick" data-id="${j.id}" ${on} title="plot this job">`;
         const link = j.mlflow_run_url ? `<a href="${esc(j.mlflow_run_url)}" target="_blank" rel="noopener">run</a>` : "";

@@ -88,6 +88,7 @@ def test_auth_is_required(server: Server) -> None:
     ({"recipe": "cifar10-smoke", "overrides": {"epochs": "many"}}, "epochs"),
     ({"recipe": "cifar10-smoke", "overrides": {"model.pos_encoding": "spiral"}}, "pos_encoding"),
     ({"recipe": "cifar10-smoke", "command": "rm -rf /"}, "command"),
+    ({"recipe": "cifar10-smoke", "priority": 11}, "priority"),
     ({"recipe": "cifar10-smoke", "overrides": {"data.data_dir": "/etc"}}, ""),
     ({"recipe": "cifar10-smoke", "overrides": {"augment.resolution_schedule": "[[0.5, 12]]"}},
      "multiple of the patch size"),

@@ -106,6 +106,27 @@ def test_queue_respects_concurrency_and_cancel(settings: Settings) -> None:
     assert e.value.status == 409
 
 
+def test_the_queue_admits_by_priority_then_age_and_says_why_a_job_waits(
+        settings: Settings) -> None:
+    mgr = _manager(settings)
+    a = mgr.submit("fake", {"steps": 30})
+    _wait(mgr, a.id, {JobState.running})
+    low = mgr.submit("fake", {"steps": 1}, name="low")
+    urgent = mgr.submit("fake", {"steps": 1}, name="urgent", priority=5)
+    later = mgr.submit("fake", {"steps": 1}, name="later")
+    assert urgent.queue_position == 1 and "free slot: 1 of 1 running" in urgent.waiting_for
+    queued = {j.name: j for j in mgr.list(JobState.queued)}
+    assert (queued["low"].queue_position, queued["later"].queue_position) == (2, 3)
+    assert queued["later"].waiting_for == "2 jobs ahead in the queue"
+    assert mgr.get(a.id).queue_position is None and mgr.get(a.id).waiting_for is None
+    mgr.cancel(low.id)  # a cancelled queued job never starts, and the rest move up
+    assert mgr.get(later.id).queue_position == 2
+    for job in (urgent, later):
+        _wait(mgr, job.id, {JobState.succeeded})
+    started = {j.name: j.started_at for j in mgr.list()}
+    assert started["urgent"] < started["later"] and started["low"] is None
+
+
 def test_invalid_requests(settings: Settings) -> None:
     mgr = _manager(settings)
     with pytest.raises(JobError) as e:

@@ -47,5 +47,6 @@ def test_an_older_table_gets_the_new_columns(tmp_path: Path) -> None:
     store = JobStore(f"sqlite:///{db}")
     old = store.get("abc")
     assert old is not None and old.state == JobState.succeeded and old.executor is None
+    assert old.priority == 0  # rows from before priorities: the default
     assert store.update("abc", executor="ray").executor == "ray"
     JobStore(f"sqlite:///{db}")  # and opening it again is a no-op
