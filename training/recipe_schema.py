@@ -71,8 +71,14 @@ class DataSpec(_Strict):
         "head", description="text: keep the first max_len tokens, or the first quarter and the "
         "last three quarters of them (saved with the model: serving truncates the same way)")
     include_unsup: bool = Field(
-        False, description="imdb + objective mlm: also pretrain on the 50,000 unlabelled reviews"
-    )
+        False, description="imdb + objective mlm: also pretrain on the 50,000 unlabelled "
+        "reviews; + objective classify with pseudo_labels: train on those a teacher labels")
+    pseudo_labels: str | None = Field(
+        None, description="imdb + classify + include_unsup: a teacher text bundle (folder) whose "
+        "confident predictions label the unlabelled reviews (self-training)")
+    pseudo_min_confidence: float = Field(
+        0.9, ge=0.5, le=1.0, description="the teacher's least top-class probability for a "
+        "review to join the train part")
 
     @model_validator(mode="after")
     def _check_text_fields(self) -> DataSpec:
@@ -82,6 +88,9 @@ class DataSpec(_Strict):
             raise ValueError("data.path is required for (and only for) dataset imagefolder")
         if self.include_unsup and self.dataset != "imdb":
             raise ValueError("data.include_unsup is for dataset imdb")
+        if self.pseudo_labels is not None and not self.include_unsup:
+            raise ValueError("data.pseudo_labels labels the unlabelled reviews: it needs "
+                             "data.include_unsup")
         return self
 
 
@@ -335,9 +344,11 @@ class Recipe(_Strict):
         for key in ("mae", "mlm"):
             if getattr(self, key) is not None and obj != key:
                 raise ValueError(f"the {key}: section is only for objective {key}")
-        if self.data.include_unsup and obj != "mlm":
-            raise ValueError("data.include_unsup needs objective mlm (unsup reviews have no "
-                             "labels)")
+        if self.data.include_unsup and obj != "mlm" and self.data.pseudo_labels is None:
+            raise ValueError("data.include_unsup needs objective mlm, or data.pseudo_labels "
+                             "(unsup reviews have no labels)")
+        if self.data.pseudo_labels is not None and obj != "classify":
+            raise ValueError("data.pseudo_labels is for objective classify")
         if self.pretraining:
             a = self.augment
             if a.cutmix_prob or a.mixup_alpha or self.optim.label_smoothing:

@@ -82,7 +82,7 @@ class RunSetup:
         return self.run_dir / "checkpoints" / ckpt_io.LAST
 
 
-def _default_run_name(recipe: Recipe) -> str:
+def default_run_name(recipe: Recipe) -> str:
     return f"{recipe.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
@@ -186,7 +186,7 @@ def build_run(recipe: Recipe, dist: DistInfo, settings: Settings, *,
                                stages=resolution.stages if resolution is not None else None)
 
     if run_name is None:
-        run_name = broadcast_object(_default_run_name(recipe), dist)
+        run_name = broadcast_object(default_run_name(recipe), dist)
     progress = progress or Progress(enabled=dist.is_main, unit=task.unit)
     progress.enabled = progress.enabled and dist.is_main
     mlrun = MlflowRun(tracking_uri, settings) if mlflow_enabled and dist.is_main else None

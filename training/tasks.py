@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from training.augment import CutMix, ImageAugment, normalize, smooth_one_hot, token_dropout
 from training.distributed import DistInfo
+from training.pseudo_labels import confident, teacher_probabilities
 from training.recipes import Recipe
 from vit_service.bundle import CIFAR10_MEAN, CIFAR10_STD
 from vit_service.data import (
@@ -246,7 +247,15 @@ class TextTask(Task):
         if d.include_unsup:
             unsup = load_imdb(data_dir, "unsup", cache_dir=cache_dir)
             unsup_texts = list(unsup.texts)
-            train_labels = np.concatenate([train_labels, np.full(len(unsup), -1, np.int64)])
+            unsup_labels = np.full(len(unsup), -1, np.int64)
+            if d.pseudo_labels is not None:  # self-training: the teacher's confident labels
+                probs = teacher_probabilities(d.pseudo_labels, unsup_texts, cache_dir)
+                rows, unsup_labels = confident(probs, d.pseudo_min_confidence)
+                unsup_texts = [unsup_texts[i] for i in rows]
+                log.info("pseudo labels: %d of %d unlabelled reviews at confidence >= %.2f "
+                         "(per class %s)", len(rows), len(probs), d.pseudo_min_confidence,
+                         np.bincount(unsup_labels, minlength=probs.shape[1]).tolist())
+            train_labels = np.concatenate([train_labels, unsup_labels])
         self.n_train, self.n_val = len(train_labels), len(val_idx)
         params = {"n": len(ds), "val_size": d.val_size, "split_seed": d.split_seed,
                   "subset": d.subset, "vocab_size": d.vocab_size, "max_len": d.max_len,
@@ -254,6 +263,7 @@ class TextTask(Task):
                   "labels": hashlib.sha1(labels.tobytes()).hexdigest()}
         if d.include_unsup:
             params["unsup"] = len(unsup_texts)
+            params["unsup_labels"] = hashlib.sha1(train_labels.tobytes()).hexdigest()
         if tokenizer is not None:
             params["tokenizer"] = hashlib.sha1(tokenizer.to_str().encode()).hexdigest()
         tok = tokenize_splits(

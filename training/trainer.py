@@ -33,11 +33,12 @@ from training import checkpoint as ckpt_io
 from training.distributed import any_true, cleanup, init_distributed
 from training.evaluate import EvalResult, LossResult
 from training.progress import Progress, RunStatus
+from training.pseudo_labels import TEACHER, teacher_recipe, with_teacher
 from training.publish import Outcome, publish, rehearse_publish
 from training.recipes import Recipe, apply_overrides, validate_recipe
 from training.run_budget import BudgetController
 from training.run_state import RunState
-from training.setup import RunSetup, build_run, run_params, train_module
+from training.setup import RunSetup, build_run, default_run_name, run_params, train_module
 from training.signals import StopFlag
 from training.step import StepWindow, train_step
 from training.validation import Validator
@@ -81,6 +82,15 @@ def train(
     with ``resume_overrides`` (execution settings: ``max_steps``, ``device``, ``threads``...)
     applied; a run stopped by ``max_steps`` continues past it only with a new ``max_steps``
     (``None``: to the end)."""
+    if resume is None and recipe.data.pseudo_labels == TEACHER:  # self-training's first phase
+        teacher = train(teacher_recipe(recipe), data_dir=data_dir,
+                        run_name=f"{run_name or default_run_name(recipe)}-teacher",
+                        tracking_uri=tracking_uri,
+                        register=False, mlflow_enabled=mlflow_enabled, settings=settings,
+                        progress=progress, started_at=started_at)
+        if teacher.exit_code:
+            return teacher
+        recipe = with_teacher(recipe, teacher.run_dir / "bundle")
     try:
         return prepare_run(recipe, data_dir=data_dir, run_name=run_name, resume=resume,
                            resume_overrides=resume_overrides, tracking_uri=tracking_uri,

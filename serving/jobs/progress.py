@@ -46,6 +46,9 @@ def merge_progress(progress: dict[str, Any], event: dict[str, Any]) -> None:
             continue
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             metrics[k] = v
+    per_epoch = metrics.get("steps_per_epoch")
+    if per_epoch and progress.get("total_steps"):  # a time budget re-plans the schedule
+        progress["epochs"] = -(-int(progress["total_steps"]) // int(per_epoch))
     if kind == Event.end and "status" in event:
         progress["status"] = event["status"]
     if kind == Event.preflight and event.get("reason"):

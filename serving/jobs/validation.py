@@ -14,7 +14,7 @@ from vit_service.config import Settings
 
 PATH_KEY_SUFFIXES = ("dir", "file", "path", "root", "uri")
 # recipe fields that name a file or folder on the server, whatever their key's suffix says
-PATH_KEYS = ("data.path", "init.from", "init.timm_file")
+PATH_KEYS = ("data.path", "data.pseudo_labels", "init.from", "init.timm_file")
 # init.from may also name a run or a registered model: not a path then
 NOT_A_PATH = ("models:/", "runs:/")
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -52,6 +52,8 @@ def resolve_paths(overrides: dict[str, Any], roots: list[Path]) -> dict[str, Any
             raise JobError(422, f"override {key!r}: ~ is not expanded here; give a path "
                                 "relative to the data folder")
         if k == "init.from" and (value.startswith(NOT_A_PATH) or RUN_ID.match(value)):
+            continue
+        if k == "data.pseudo_labels" and value == "teacher":  # trained by the run itself
             continue
         if "://" in value:
             raise JobError(422, f"override {key!r}: URLs are not accepted here")

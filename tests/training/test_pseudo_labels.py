@@ -1,0 +1,83 @@
+"""Self-training: a teacher bundle labels the unlabelled reviews, the confident ones join the
+student's train part with the teacher's labels; validation is the labelled held-out part."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from training.distributed import DistInfo
+from training.progress import Progress
+from training.pseudo_labels import confident, teacher_probabilities
+from training.recipes import RecipeError, load_recipe
+from training.tasks import build_task
+from training.trainer import train
+from vit_service.config import Settings
+from vit_service.data import load_imdb
+
+QUIET = {"attention_samples": 0, "device": "cpu"}
+
+
+def test_confident_rows_and_their_classes() -> None:
+    probs = np.array([[0.95, 0.05], [0.6, 0.4], [0.02, 0.98], [0.5, 0.5]], np.float32)
+    rows, labels = confident(probs, 0.9)
+    assert rows.tolist() == [0, 2] and labels.tolist() == [0, 1]
+
+
+def test_a_teachers_confident_labels_join_the_students_train_part(
+        env: dict[str, str], data_dir: Path) -> None:
+    settings = Settings()
+    teacher = train(load_recipe("imdb-smoke", QUIET), settings=settings, register=False,
+                    mlflow_enabled=False, run_name="teacher",
+                    progress=Progress(json_lines=True, stream=io.StringIO()))
+    bundle = teacher.run_dir / "bundle"
+    unsup = list(load_imdb(data_dir, "unsup", cache_dir=settings.cache_dir).texts)
+    probs = teacher_probabilities(bundle, unsup, settings.cache_dir)
+    assert probs.shape == (len(unsup), 2) and np.allclose(probs.sum(1), 1, atol=1e-3)
+    # cached: the same teacher on the same texts is not run again
+    assert np.array_equal(teacher_probabilities(bundle, unsup, settings.cache_dir), probs)
+
+    plain = build_task(load_recipe("imdb-smoke", QUIET), DistInfo(), data_dir,
+                       settings.cache_dir)
+    student = load_recipe("imdb-smoke", {**QUIET, "data.include_unsup": True,
+                                         "data.pseudo_labels": str(bundle),
+                                         "data.pseudo_min_confidence": 0.5})
+    task = build_task(student, DistInfo(), data_dir, settings.cache_dir)
+    rows, labels = confident(probs, 0.5)
+    assert task.n_train == plain.n_train + len(rows) and len(rows) == len(unsup)
+    assert task.train_y[plain.n_train:].tolist() == labels.tolist()
+    assert task.n_val == plain.n_val and task.val_texts == plain.val_texts
+    res = train(student, settings=settings, register=False, mlflow_enabled=False,
+                run_name="student", progress=Progress(json_lines=True, stream=io.StringIO()))
+    assert 0 <= res.val_acc <= 1
+
+
+def test_one_run_trains_its_teacher_first(env: dict[str, str], data_dir: Path) -> None:
+    """``data.pseudo_labels: teacher``: one command trains the teacher (its own run, not
+    registered), labels the unlabelled reviews with it, then trains the student."""
+    settings = Settings()
+    student = load_recipe("imdb-smoke", {**QUIET, "data.include_unsup": True,
+                                         "data.pseudo_labels": "teacher",
+                                         "data.pseudo_min_confidence": 0.5})
+    res = train(student, settings=settings, register=False, mlflow_enabled=False,
+                run_name="selftrain", progress=Progress(json_lines=True, stream=io.StringIO()))
+    teacher = Path(settings.home) / "runs" / "selftrain-teacher" / "bundle"
+    assert (teacher / "weights.pt").is_file() and res.status == "finished"
+    ckpt = torch.load(res.checkpoint, weights_only=True)
+    assert ckpt["recipe"]["data"]["pseudo_labels"] == str(teacher)  # resumes with that teacher
+    assert ckpt["recipe"]["data"]["include_unsup"] is True
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"data.pseudo_labels": "/x"}, "needs data.include_unsup"),
+    ({"data.include_unsup": True}, "data.pseudo_labels"),
+    ({"data.include_unsup": True, "data.pseudo_labels": "/x",
+      "data.pseudo_min_confidence": 0.3}, "pseudo_min_confidence"),
+])
+def test_bad_self_training_settings(overrides: dict, needle: str) -> None:
+    with pytest.raises(RecipeError, match=needle):
+        load_recipe("imdb-smoke", overrides)

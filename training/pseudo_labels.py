@@ -1,0 +1,88 @@
+"""Self-training: a teacher's confident predictions label unlabelled texts for the student.
+
+``data.pseudo_labels: <teacher bundle>`` (objective classify, ``data.include_unsup``) has the
+teacher classify the 50,000 unlabelled IMDb reviews once; those it labels with probability at
+least ``data.pseudo_min_confidence`` join the student's train part with that label (hard labels,
+as in Yarowsky-style self-training and Xie et al. 2020's "noisy student"). The teacher's
+predictions are cached beside the tokenised data, keyed by the teacher's weights and the texts.
+With ``data.pseudo_labels: teacher`` the run trains that teacher itself first (the same recipe
+on the labelled part alone, an MLflow run of its own, not registered), so self-training is one
+command and one job. Validation never sees the pseudo labels: the teacher was trained on the
+same train part with the same held-out rows (the recipe's split), and the unlabelled reviews
+are not in the validation set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from training.recipes import Recipe
+from vit_service.bundle import load_bundle
+from vit_service.execution import resolve_execution
+from vit_service.tta import predict
+
+log = logging.getLogger(__name__)
+
+TEACHER = "teacher"  # data.pseudo_labels: train the teacher first, in the same run
+
+
+def teacher_recipe(recipe: Recipe) -> Recipe:
+    """The teacher a ``data.pseudo_labels: teacher`` run trains first: the same recipe on the
+    labelled reviews alone, not registered."""
+    data = recipe.data.model_copy(update={"include_unsup": False, "pseudo_labels": None})
+    return recipe.model_copy(update={"data": data, "register_as": None})
+
+
+def with_teacher(recipe: Recipe, bundle: Path) -> Recipe:
+    """The student's recipe once its teacher is trained: its pseudo labels from ``bundle``."""
+    return recipe.model_copy(update={"data": recipe.data.model_copy(
+        update={"pseudo_labels": str(bundle)})})
+
+
+def teacher_probabilities(teacher: str | Path, texts: list[str], cache_dir: str | Path | None,
+                          batch_size: int = 256) -> np.ndarray:
+    """``(N, C)`` float32 class probabilities of a text bundle on ``texts`` (as served: its
+    tokenizer, truncation and precision), cached under ``cache_dir`` when given."""
+    folder = Path(teacher)
+    weights = folder / "weights.pt"
+    key = hashlib.sha1(weights.read_bytes() if weights.is_file() else str(folder).encode())
+    key.update(str(len(texts)).encode())
+    for t in texts[:: max(1, len(texts) // 64)]:  # a sample fixes which texts these are
+        key.update(t.encode("utf-8", "replace"))
+    cache = Path(cache_dir) / "pseudo" / f"{key.hexdigest()[:16]}.npy" if cache_dir else None
+    if cache is not None and cache.is_file():
+        return np.load(cache)
+    b = load_bundle(folder)
+    if b.meta.task != "text" or b.tokenizer is None:
+        raise ValueError(f"data.pseudo_labels: {teacher} is not a text classifier bundle")
+    p = b.meta.preprocess
+    ids, lengths = b.tokenizer.encode_to_arrays(texts, int(p["max_len"]),
+                                                truncation=p.get("truncation", "head"))
+    order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
+    out = np.zeros((len(texts), len(b.meta.class_names)), np.float32)
+    ex = resolve_execution("serve", "cpu")
+    b.model.eval()
+    with torch.inference_mode(), ex.applied(b.model):
+        for s in range(0, len(order), batch_size):
+            o = order[s : s + batch_size]
+            T = int(lengths[o].max())
+            x = torch.from_numpy(ids[o, :T]).long()  # (B, T)
+            mask = torch.arange(T)[None, :] < torch.from_numpy(lengths[o])[:, None]
+            out[o] = torch.softmax(predict(b.model, x, mask).float(), -1).numpy()
+    log.info("pseudo labels: %s classified %d texts", folder, len(texts))
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        np.save(cache, out)
+    return out
+
+
+def confident(probs: np.ndarray, min_confidence: float) -> tuple[np.ndarray, np.ndarray]:
+    """The rows whose top class has at least ``min_confidence``, and those classes."""
+    top = probs.max(1)
+    rows = np.flatnonzero(top >= min_confidence)
+    return rows, probs[rows].argmax(1).astype(np.int64)
