@@ -159,7 +159,7 @@ class JobManager:
         if done is None:
             raise JobError(409, f"job {job_id} is {job.state.value}; only failed or cancelled "
                                 "jobs can be resumed")
-        return done
+        return self._with_queue([done])[0]
 
     def get(self, job_id: str) -> Job:
         return self._with_queue([self._get(job_id)])[0]
