@@ -121,7 +121,8 @@ class InferenceService:
     Admission: the inputs admitted and not yet answered are counted per lane, and each lane
     keeps a moving average of the seconds one input costs; a request that would take its lane
     past ``max_queued_items`` / ``max_queued_explain_items``, or whose estimated wait (inputs
-    ahead x seconds per input) passes ``max_queue_wait_s``, gets 503 with ``Retry-After`` at
+    ahead and its own x seconds per input, when inputs are ahead of it) passes
+    ``max_queue_wait_s``, gets 503 with ``Retry-After`` at
     once (the routes ask before reading the body, and again with the exact size), and one not
     answered within ``request_timeout_s`` gets 503 too (its job is skipped if its batch has
     not started). The one inference thread takes batches
@@ -208,7 +209,9 @@ class InferenceService:
                                   "waiting); retry shortly", retry_after_s=1)
         per = self.per_input_s[ln]
         wait = (self.queued[ln] + size) * per if per is not None else 0.0
-        if wait > self.settings.max_queue_wait_s:
+        # a request alone in its lane waits for nothing: it is admitted whatever its size (that
+        # is capped per request), else a slow first batch's estimate would shed every large one
+        if self.queued[ln] and wait > self.settings.max_queue_wait_s:
             self._shed(ln, "wait")
             raise OverloadedError(f"the {ln} queue would hold this request ~{wait:.1f}s; retry "
                                   "shortly", retry_after_s=math.ceil(wait))

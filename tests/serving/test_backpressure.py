@@ -91,3 +91,6 @@ def test_a_request_that_would_wait_too_long_is_shed_before_its_body_is_read(
         assert [f.result().status_code for f in first] == [200, 200]
     metrics = client.get("/metrics").text
     assert 'vit_service_shed_requests_total{lane="plain",why="wait"} 1.0' in metrics
+    # alone in its lane a request is admitted whatever the estimate (nothing is ahead of it)
+    service.per_input_s["plain"] = 10.0
+    assert _post(client, data, model="local-vit").status_code == 200
