@@ -1,10 +1,11 @@
 """The FastAPI application: ``create_app(settings)`` (also the uvicorn factory).
 
-Start-up (lifespan): point MLflow at the settings' tracking URI; if this process leads its home
-(:mod:`serving.workers`: one per home, however many workers), start the job scheduler and the
-background poll that picks up moved aliases; try to load every configured model (a missing one
-is logged, /readyz answers 503 and predictions for it 503 until it appears); follow the
-versions the other processes publish. Shut-down stops the tasks and the batchers.
+Start-up (lifespan): point MLflow at the settings' tracking URI; if this process leads
+(:mod:`serving.workers`: one per home however many workers, or one per PostgreSQL jobs database
+however many hosts), start the job scheduler and the background poll that picks up moved
+aliases, and stop both if the leadership is lost; try to load every configured model (a
+missing one is logged, /readyz answers 503 and predictions for it 503 until it appears); follow
+the versions the other processes publish. Shut-down stops the tasks and the batchers.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from serving.model_cards import ModelCards
 from serving.model_store import ModelStore
 from serving.routers import datasets, health, jobs, models, predict
 from serving.routers.ui import SecurityHeadersMiddleware, mount_ui
-from serving.workers import Leadership, ModelSync, exit_with_parent
+from serving.workers import ModelSync, PgLeadership, exit_with_parent, leadership_for
 from vit_service import __version__, tracking
 from vit_service.config import Settings, get_settings
 from vit_service.data.datasets import DatasetStore
@@ -65,7 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.cards = ModelCards(store)
     app.state.service = InferenceService(store, settings, metrics)
     app.state.jobs = create_job_manager(settings)
-    app.state.leadership = Leadership(settings.home / "serving.lock" if several else None)
+    app.state.leadership = leadership_for(settings)
     app.state.sync = ModelSync(settings.home / "serving-models.json", store) if several else None
     if app.state.sync is not None:
         store.on_swap = app.state.sync.publish
@@ -99,29 +100,65 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     uri = tracking.configure(settings=settings)
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
-    if settings.api_key is None:
-        log.warning("no API key configured (VIT_SERVICE_API_KEY): "
-                    "POST /v1/models/{name}/reload is refused with 403")
+    if not settings.principals:
+        log.warning("no API key configured (VIT_SERVICE_API_KEY / VIT_SERVICE_API_KEYS): "
+                    "every mutating endpoint is refused with 403")
     log.info("tracking URI %s; models: %s", uri, settings.models)
     tasks: list[asyncio.Task] = []
+    poll: list[asyncio.Task] = []  # the registry poll, while this process leads
+    leading = False  # the job scheduler runs in this process
 
     async def lead() -> None:
-        """The job scheduler and the registry poll run in one process per home."""
+        """The job scheduler and the registry poll run in one process: per home, or per
+        PostgreSQL jobs database (serving/workers.py)."""
+        nonlocal leading
+        leading = True
         await asyncio.to_thread(job_manager.start)  # re-adopts or settles jobs left running
         if settings.reload_interval_s > 0:
-            tasks.append(asyncio.create_task(
+            poll.append(asyncio.create_task(
                 store.poll_forever(settings.reload_interval_s), name="model-poll"))
 
-    async def lead_when_free() -> None:  # another process leads: take over if it dies
-        while not leadership.try_acquire():
-            await asyncio.sleep(2.0)
-        await lead()
+    async def step_down() -> None:
+        """The hold was lost (another process may lead already): stop what only the leader
+        runs, so that two schedulers never run on for long. Running jobs go on; this process
+        re-adopts them if it leads again, or the new leader settles them once their lease has
+        expired."""
+        nonlocal leading
+        for task in poll:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        poll.clear()
+        if leading:
+            leading = False
+            await asyncio.to_thread(job_manager.stop)
+        await asyncio.to_thread(leadership.release)
 
-    if leadership.try_acquire():
+    async def keep_leading() -> None:
+        """While leading, check the hold every ``leader_check_s`` and step down when it is
+        lost; while not, try to take it as often (its holder may die, however it dies)."""
+        while True:
+            if leadership.is_leader:
+                while await asyncio.to_thread(leadership.check):
+                    await asyncio.sleep(settings.leader_check_s)
+                log.warning("process %d no longer leads %s: its job scheduler and registry "
+                            "poll are stopped", os.getpid(), leadership.where)
+                await step_down()
+            while not await asyncio.to_thread(leadership.try_acquire):
+                await asyncio.sleep(settings.leader_check_s)
+            try:
+                await lead()
+            except Exception:  # e.g. the database went away again: retry from the start
+                log.exception("process %d could not start leading", os.getpid())
+                await step_down()
+                await asyncio.sleep(settings.leader_check_s)
+
+    if await asyncio.to_thread(leadership.try_acquire):
         await lead()
     else:
-        log.info("another process leads %s: this one serves only", leadership.path)
-        tasks.append(asyncio.create_task(lead_when_free(), name="leadership"))
+        log.info("another process leads %s: this one serves only", leadership.where)
+    if not leadership.is_leader or isinstance(leadership, PgLeadership):  # a hold to watch
+        tasks.append(asyncio.create_task(keep_leading(), name="leadership"))
     await store.load_all()
     missing = [n for n in store.names if store.get(n) is None]
     if missing:
@@ -137,7 +174,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        for task in poll:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await st.service.close()
-        if leadership.is_leader:
+        if leading or leadership.is_leader:
             await asyncio.to_thread(job_manager.stop)  # running jobs go on; re-adopted
         leadership.release()

@@ -76,24 +76,38 @@ async def configured_model_name(name: str, store: StoreDep) -> str:
 
 ModelNameDep = Annotated[str, Depends(configured_model_name)]
 
-_bearer = HTTPBearer(auto_error=False, description="Settings.api_key (VIT_SERVICE_API_KEY)")
+_bearer = HTTPBearer(auto_error=False, description="an API key: VIT_SERVICE_API_KEY or one of "
+                     "VIT_SERVICE_API_KEYS")
 
 
 async def require_api_key(
     settings: SettingsDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> None:
-    """Bearer auth for mutating routes; refused outright (403) when no key is configured."""
-    if settings.api_key is None:
-        raise ForbiddenError(
-            "this route is disabled: no API key is configured (set VIT_SERVICE_API_KEY)"
-        )
-    expected = settings.api_key.get_secret_value().encode()
-    if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), expected):
+) -> str:
+    """Bearer auth for mutating routes: the name of the principal whose key was given
+    (``default`` for VIT_SERVICE_API_KEY); refused outright (403) when no key is configured.
+
+    The key is compared with every configured key, each in constant time and none skipped
+    after a match, so the time taken says neither which key matched nor how far a guess got.
+    """
+    principals = settings.principals
+    if not principals:
+        raise ForbiddenError("this route is disabled: no API key is configured (set "
+                             "VIT_SERVICE_API_KEY or VIT_SERVICE_API_KEYS)")
+    given = (credentials.credentials if credentials is not None else "").encode()
+    found: str | None = None
+    for name, key in principals.items():
+        if hmac.compare_digest(given, key.encode()) and found is None:
+            found = name
+    if credentials is None or found is None:
         raise AuthError()
+    return found
 
 
 ApiKeyDep = Depends(require_api_key)
+# the caller's principal, for routes that record it (FastAPI runs the check once per request,
+# also when the router's ApiKeyDep asks for it too)
+PrincipalDep = Annotated[str, Depends(require_api_key)]
 
 
 async def require_json(request: Request) -> None:

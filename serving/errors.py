@@ -117,6 +117,7 @@ def error_responses(*codes: int) -> dict[int | str, dict]:
         413: "body or image too large",
         415: "unsupported content type",
         422: "invalid JSON, empty text or bad parameter",
+        429: "a queue is at its cap (the detail names it)",
         503: "model not loaded (yet)",
     }
     return {c: {"model": ErrorResponse, "description": text.get(c, "error")} for c in codes}

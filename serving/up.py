@@ -90,9 +90,9 @@ def run_up(args: argparse.Namespace, base: Settings) -> int:
         "tracking_uri": mlflow_url,
         "mlflow_ui_url": base.mlflow_ui_url or mlflow_url,
     })
-    if settings.api_key is None:
-        log.warning("VIT_SERVICE_API_KEY is not set: job and model-management routes are refused "
-                    "until it is")
+    if not settings.principals:
+        log.warning("VIT_SERVICE_API_KEY is not set (nor VIT_SERVICE_API_KEYS): job and "
+                    "model-management routes are refused until it is")
     print(f"MLflow UI:  {mlflow_url}\nAPI and web page: http://{host}:{settings.port}/  "
           f"(API docs at /docs)", flush=True)
     try:

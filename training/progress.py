@@ -33,6 +33,9 @@ class Event(StrEnum):
     end = "end"
     # printed by the job runner's node check before the trainer starts (serving.jobs.commands)
     preflight = "preflight"
+    # where a multi-node run's workers are (placed, first step, checkpoint, restarted):
+    # training/ray_train.py; folded into the job's progress apart from the run's metrics
+    cluster = "cluster"
 
 
 class RunStatus(StrEnum):

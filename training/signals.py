@@ -13,6 +13,22 @@ log = logging.getLogger(__name__)
 
 EXIT_SIGTERM, EXIT_SIGINT = 143, 130
 
+# a stop asked from outside the main thread, where no signal arrives: a Ray Train worker runs
+# the trainer in a thread of its own and learns of its job's cancel from its driver
+# (training/ray_train.py); every StopFlag of this process reads it as that signal
+_requested: int | None = None
+
+
+def request_stop(signum: int = signal.SIGTERM) -> None:
+    """Stop this process's run after the current step, as if ``signum`` had arrived."""
+    global _requested
+    _requested = signum
+
+
+def clear_requested_stop() -> None:
+    global _requested
+    _requested = None
+
 
 class StopFlag:
     """SIGTERM/SIGINT -> finish the current step, checkpoint, exit."""
@@ -21,7 +37,7 @@ class StopFlag:
     # (the terminal's and the one ``processes: N``'s launcher forwards: training/launch.py)
 
     def __init__(self) -> None:
-        self.signum: int | None = None
+        self._signum: int | None = None
         self._at = 0.0
         self._old: dict[int, Any] = {}
 
@@ -31,13 +47,18 @@ class StopFlag:
         for s in (signal.SIGTERM, signal.SIGINT):
             self._old[s] = signal.signal(s, self._handle)
 
+    @property
+    def signum(self) -> int | None:
+        """The signal that asked this run to stop (or :func:`request_stop`'s), if any."""
+        return self._signum if self._signum is not None else _requested
+
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
+        if self._signum is not None:
             if (signum == signal.SIGINT
                     and time.monotonic() - self._at > self.REPEAT_S):
                 raise KeyboardInterrupt  # second Ctrl-C: give up immediately
             return
-        self.signum, self._at = signum, time.monotonic()
+        self._signum, self._at = signum, time.monotonic()
         log.warning("received %s: stopping after this step", signal.Signals(signum).name)
 
     def restore(self) -> None:

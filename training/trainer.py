@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,10 @@ from vit_service.config import Settings, get_settings
 from vit_service.models import count_parameters
 
 log = logging.getLogger(__name__)
+
+# called on every rank after each checkpoint, with its path on rank 0 (None on the others) and
+# the step: how a Ray Train worker hands each checkpoint to Ray's storage (training/ray_train.py)
+CheckpointHook = Callable[[Path | None, int], None]
 
 
 @dataclass
@@ -76,6 +81,7 @@ def train(
     settings: Settings | None = None,
     progress: Progress | None = None,
     started_at: float | None = None,
+    on_checkpoint: CheckpointHook | None = None,
 ) -> TrainResult:
     """Train ``recipe`` end to end (see the module docstring and :func:`prepare_run`). With
     ``resume`` (a checkpoint path, a run folder or ``auto``) the checkpoint's recipe is used,
@@ -87,7 +93,7 @@ def train(
                         run_name=f"{run_name or default_run_name(recipe)}-teacher",
                         tracking_uri=tracking_uri,
                         register=False, mlflow_enabled=mlflow_enabled, settings=settings,
-                        progress=progress, started_at=started_at)
+                        progress=progress, started_at=started_at, on_checkpoint=on_checkpoint)
         if teacher.exit_code:
             return teacher
         recipe = with_teacher(recipe, teacher.run_dir / "bundle")
@@ -95,7 +101,8 @@ def train(
         return prepare_run(recipe, data_dir=data_dir, run_name=run_name, resume=resume,
                            resume_overrides=resume_overrides, tracking_uri=tracking_uri,
                            register=register, mlflow_enabled=mlflow_enabled, settings=settings,
-                           progress=progress, started_at=started_at).run()
+                           progress=progress, started_at=started_at,
+                           on_checkpoint=on_checkpoint).run()
     finally:
         cleanup()
 
@@ -113,6 +120,7 @@ def prepare_run(
     settings: Settings | None = None,
     progress: Progress | None = None,
     started_at: float | None = None,
+    on_checkpoint: CheckpointHook | None = None,
 ) -> Trainer:
     """Everything :func:`train` does before the first step; ``.run()`` trains. Nothing is
     logged to MLflow before that, so the initial model can be inspected (``.model``,
@@ -134,15 +142,16 @@ def prepare_run(
     return Trainer(build_run(recipe, dist, settings, data_dir=data_dir, run_name=run_name,
                              ckpt=ckpt, tracking_uri=tracking_uri, register=register,
                              mlflow_enabled=mlflow_enabled, progress=progress,
-                             started_at=started_at))
+                             started_at=started_at), on_checkpoint=on_checkpoint)
 
 
 class Trainer:
     """Runs one assembled run (:class:`RunSetup`): the loop, evaluation, checkpoints and the
     end; its position is a :class:`RunState`."""
 
-    def __init__(self, setup: RunSetup) -> None:
+    def __init__(self, setup: RunSetup, on_checkpoint: CheckpointHook | None = None) -> None:
         self.setup = setup
+        self.on_checkpoint = on_checkpoint
         self.parts = setup.parts
         self.state = RunState(total_steps=setup.recipe.epochs * setup.steps_per_epoch)
         self.stop = StopFlag()
@@ -222,6 +231,8 @@ class Trainer:
         if s.dist.is_main:
             ckpt_io.save_checkpoint(s.ckpt_path, ck)
         self.state.saved_step = self.state.step
+        if self.on_checkpoint is not None:  # on every rank, like the save's collective
+            self.on_checkpoint(s.ckpt_path if s.dist.is_main else None, self.state.step)
         return s.ckpt_path
 
     def _start_tracking(self) -> str | None:

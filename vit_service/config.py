@@ -6,17 +6,21 @@ Variables are prefixed ``VIT_SERVICE_`` (``VIT_SERVICE_HOME``, ``VIT_SERVICE_DAT
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import sys
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 MIN_API_KEY_LENGTH = 16  # a key short enough to guess is no key
+DEFAULT_PRINCIPAL = "default"  # who VIT_SERVICE_API_KEY authenticates
+PRINCIPAL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
 
 
 class Settings(BaseSettings):
@@ -39,6 +43,11 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(
         None, description=f"Bearer key for mutating routes (at least {MIN_API_KEY_LENGTH} "
         "characters; empty counts as unset)")
+    # VIT_SERVICE_API_KEYS='{"alice": "<key>", "bob": "<key>"}'
+    api_keys: Annotated[dict[str, SecretStr], NoDecode] = Field(
+        default_factory=dict, description="named Bearer keys, JSON name -> key: each name is a "
+        "principal (a job's owner, per-key caps); VIT_SERVICE_API_KEY is the principal "
+        f"'{DEFAULT_PRINCIPAL}'. Each at least {MIN_API_KEY_LENGTH} characters, all distinct")
 
     # --- serving (REST API; owned by serving/) ----------------------------------------------------
     # VIT_SERVICE_MODELS='{"cifar10-vit": "models:/cifar10-vit@champion", "x": "/path/to/bundle"}'
@@ -117,6 +126,10 @@ class Settings(BaseSettings):
     supervisor_pid: int | None = Field(
         None, description="set by `serve --workers N` for its workers: they exit if it dies"
     )
+    leader_check_s: float = Field(
+        2.0, gt=0, description="how often a process that does not lead tries to take the "
+        "leadership, and how often the leader checks the connection holding its PostgreSQL "
+        "advisory lock (serving/workers.py)")
 
     # --- training jobs over the API (owned by serving/jobs) -----------------------------------
     jobs_db_url: str | None = Field(
@@ -146,6 +159,24 @@ class Settings(BaseSettings):
         "before it is queued")
     jobs_max_queued: int = Field(64, ge=1, description="queued jobs in all; beyond it a new "
                                  "job gets 429")
+    jobs_max_queued_per_key: int | None = Field(
+        None, ge=1, description="queued jobs per API key (principal); beyond it that key's "
+        "new job gets 429; unset: only jobs_max_queued")
+    jobs_max_running: int | None = Field(
+        None, ge=1, description="running jobs in all, on top of the executor's concurrency; "
+        "queued jobs wait (never refused); unset: the concurrency alone")
+    jobs_max_running_per_key: int | None = Field(
+        None, ge=1, description="running jobs per API key: the scheduler skips a queued job "
+        "whose key is at it and starts the next one; unset: no per-key limit")
+    jobs_admit_by_resources: bool = Field(
+        True, description="start a job only when the CPUs and GPUs its recipe asks are free "
+        "(local machine or Ray cluster); false: by slots alone, the executor queues the rest")
+    jobs_cpus: float | None = Field(
+        None, gt=0, description="CPUs local jobs may hold in all; default: this process's "
+        "CPUs (os.sched_getaffinity)")
+    jobs_gpus: int | None = Field(
+        None, ge=0, description="GPUs local jobs may hold in all; default: "
+        "torch.cuda.device_count()")
     jobs_poll_s: float = Field(0.5, gt=0, description="how often the job scheduler looks around")
     jobs_executor: Literal["local", "ray"] = Field(
         "local", description="where jobs run: processes on this machine, or a Ray cluster"
@@ -183,6 +214,18 @@ class Settings(BaseSettings):
         30.0, gt=0, description="a job claimed this long ago that Ray does not know yet was "
         "never submitted (its API process died in between): it is queued again"
     )
+    ray_storage_path: str | None = Field(
+        None, description="Ray Train's storage for jobs with nprocs > 1 (their checkpoints): "
+        "a folder every node mounts, or an s3:// / gs:// URI; default: <ray_home>/ray-train"
+    )
+    ray_max_failures: int = Field(
+        2, ge=0, description="restarts of a multi-worker job from its last checkpoint after a "
+        "worker or its node died, before the job fails"
+    )
+    ray_placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="how a multi-worker job's workers are placed on the nodes (Ray "
+        "placement-group strategy): PACK fills a node first, STRICT_SPREAD one per node"
+    )
 
     @field_validator("api_key", mode="before")
     @classmethod
@@ -200,6 +243,59 @@ class Settings(BaseSettings):
             raise ValueError(f"the API key must be at least {MIN_API_KEY_LENGTH} characters "
                              "(e.g. python -c 'import secrets; print(secrets.token_urlsafe())')")
         return str(raw).strip()
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _api_keys(cls, v: Any) -> Any:
+        """Named keys: each name a principal, each key long enough and used once (a key
+        shared by two names could not say who sent a request). Empty (compose's
+        ``${VIT_SERVICE_API_KEYS:-}``) is none."""
+        if v is None or (isinstance(v, str) and not v.strip()):
+            return {}
+        if isinstance(v, str):
+            v = json.loads(v)
+        if not isinstance(v, dict):
+            raise ValueError("VIT_SERVICE_API_KEYS must be a JSON object: {name: key}")
+        out: dict[str, str] = {}
+        for name, key in v.items():
+            raw = str(key.get_secret_value() if isinstance(key, SecretStr) else key).strip()
+            if not PRINCIPAL_NAME.match(str(name)):
+                raise ValueError(f"API key name {name!r}: 1-64 of A-Z a-z 0-9 _ . @ -, "
+                                 "starting with a letter or digit")
+            if len(raw) < MIN_API_KEY_LENGTH:
+                raise ValueError(f"the API key of {name!r} must be at least "
+                                 f"{MIN_API_KEY_LENGTH} characters")
+            if raw in out.values():
+                raise ValueError(f"the API key of {name!r} is another name's too: each "
+                                 "key must be its own")
+            out[str(name)] = raw
+        return out
+
+    @model_validator(mode="after")
+    def _one_key_one_principal(self) -> Settings:
+        """``default`` is VIT_SERVICE_API_KEY's name; no named key may repeat it."""
+        if self.api_key is None:
+            return self
+        if DEFAULT_PRINCIPAL in self.api_keys:
+            raise ValueError(f"VIT_SERVICE_API_KEYS names {DEFAULT_PRINCIPAL!r}, which is "
+                             "VIT_SERVICE_API_KEY's principal: rename it or drop one")
+        key = self.api_key.get_secret_value()
+        if any(k.get_secret_value() == key for k in self.api_keys.values()):
+            raise ValueError("VIT_SERVICE_API_KEY is also in VIT_SERVICE_API_KEYS: each key "
+                             "must be its own")
+        return self
+
+    @property
+    def principals(self) -> dict[str, str]:
+        """Principal name -> its key, every configured one (``default``: VIT_SERVICE_API_KEY).
+        Plain strings also accepted: tests build settings with ``model_construct``."""
+        def secret(v: SecretStr | str) -> str:
+            return v.get_secret_value() if isinstance(v, SecretStr) else str(v)
+
+        out = {name: secret(key) for name, key in (self.api_keys or {}).items()}
+        if self.api_key is not None:
+            out[DEFAULT_PRINCIPAL] = secret(self.api_key)
+        return out
 
     @property
     def resolved_jobs_db_url(self) -> str:

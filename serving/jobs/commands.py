@@ -28,6 +28,20 @@ def train_command(job: Job, python: str, resume: str | None) -> list[str]:
     return [python, *train]
 
 
+def ray_train_command(job: Job, python: str, *, storage: str, cpus_per_worker: float,
+                      gpus_per_worker: float, max_failures: int, placement: str) -> list[str]:
+    """The Ray Train driver of a job with ``nprocs`` > 1 on a Ray cluster: ``nprocs`` workers,
+    wherever the cluster places them (:mod:`training.ray_train`). Built like
+    :func:`train_command`, from the validated recipe name and typed overrides only."""
+    cmd = [python, "-m", "training.ray_train", job.recipe, "--run-name", f"job-{job.id}",
+           "--workers", str(job.nprocs), "--cpus-per-worker", f"{cpus_per_worker:g}",
+           "--gpus-per-worker", f"{gpus_per_worker:g}", "--storage", storage,
+           "--max-failures", str(max_failures), "--placement", placement]
+    for key, value in job.overrides.items():
+        cmd += ["--set", f"{key}={json.dumps(value)}"]
+    return cmd
+
+
 # Run by the job's interpreter before the trainer (standard library only: it must run where
 # nothing else imports): one JSON event and exit code 78 (EX_CONFIG) when the node's
 # interpreter lacks what a training job imports.

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from serving.jobs.admission import Capacity, Shape
 from serving.jobs.model import Job, JobError, JobState
 
 CANCEL_REQUESTED = "cancel requested"  # a running job's reason from its cancel until it stops
@@ -87,3 +88,16 @@ class Executor(Protocol):
 
     def stop(self, job: Job) -> None:
         """Ask the attempt to stop: SIGTERM (it checkpoints), SIGKILL after the grace."""
+
+    def needs(self, job: Job) -> dict[str, float]:
+        """What one attempt of ``job`` holds while it runs ("CPU", "GPU"), from its recipe:
+        admission starts it only when that much is free (:mod:`serving.jobs.admission`)."""
+
+    def placement(self, job: Job) -> Shape:
+        """How the job's needs are placed on nodes: all on one (a process, or torchrun on one
+        machine), or as workers each on a node of its own (Ray Train)."""
+
+    def capacity(self) -> Capacity | None:
+        """What there is for jobs: each node's total, and what is free where the executor can
+        read it (else the manager takes the running jobs' needs off the total). None: not
+        known now (jobs are then admitted by slots alone)."""

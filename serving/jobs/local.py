@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from serving.jobs.admission import Capacity, Node, Shape
 from serving.jobs.commands import train_command
 from serving.jobs.executor import (
     CANCEL_REQUESTED,
@@ -101,6 +102,7 @@ class LocalExecutor:
         self.command = command
         self.concurrency = settings.jobs_concurrency or _gpu_count()
         self.procs: dict[str, Process] = {}
+        self._gpus: int | None = None  # torch's count, read once
         self._lock = threading.Lock()  # the scheduler polls while an API request stops
 
     def start(self) -> None:
@@ -185,12 +187,53 @@ class LocalExecutor:
         signal_group(p.pid, signal.SIGTERM)
         p.cancel_at = time.monotonic()
 
+    # --- admission ------------------------------------------------------------------------------
+    @property
+    def cpus(self) -> float:
+        """CPUs local jobs may hold: ``jobs_cpus``, else those this process may run on."""
+        return float(self.settings.jobs_cpus or len(os.sched_getaffinity(0)))
 
-def _gpu_count() -> int:
-    """One job per GPU by default (one at a time without any)."""
+    @property
+    def gpus(self) -> int:
+        """GPUs local jobs may hold: ``jobs_gpus``, else the ones torch sees."""
+        if self.settings.jobs_gpus is not None:
+            return self.settings.jobs_gpus
+        if self._gpus is None:
+            self._gpus = _gpu_count(at_least=0)
+        return self._gpus
+
+    def needs(self, job: Job) -> dict[str, float]:
+        """From the recipe: a GPU per process for ``device: cuda`` (and ``auto`` when this
+        machine has one); CPUs: its ``threads`` per process (``processes`` ranks of a CPU
+        recipe, times ``nprocs``), capped at the machine's, so any job fits an idle machine.
+        A CPU recipe without ``threads`` runs torch's default, every core: it takes them all;
+        a GPU one takes a core per process (its threads mostly wait on the GPU)."""
+        from training.recipes import load_recipe
+
+        recipe = load_recipe(job.recipe, job.overrides)
+        cpus = self.cpus
+        if recipe.device == "cuda" or (recipe.device == "auto" and self.gpus > 0):
+            return {"GPU": float(job.nprocs),
+                    "CPU": min(cpus, float((recipe.threads or 1) * job.nprocs))}
+        if recipe.threads is None:
+            return {"CPU": cpus}
+        return {"CPU": min(cpus, float(recipe.threads * recipe.processes * job.nprocs))}
+
+    def placement(self, job: Job) -> Shape:
+        return Shape()  # one machine
+
+    def capacity(self) -> Capacity:
+        """This machine, with nothing read of what is free: the manager takes what this
+        host's running jobs need off the total."""
+        return Capacity([Node({"CPU": self.cpus, "GPU": float(self.gpus)})])
+
+
+def _gpu_count(at_least: int = 1) -> int:
+    """The GPUs torch sees; at least one by default: one job per GPU by default (one at a
+    time without any)."""
     try:
         import torch
 
-        return max(1, torch.cuda.device_count())
+        return max(at_least, torch.cuda.device_count())
     except Exception:  # torch missing or CUDA probing failed
-        return 1
+        return at_least

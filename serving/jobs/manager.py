@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.jobs import validation
+from serving.jobs.admission import Capacity, Plan, Resources, add, owner_of, plan
 from serving.jobs.executor import (
     CANCEL_REQUESTED,
     Ended,
@@ -34,12 +35,13 @@ from serving.jobs.model import Job, JobError, JobState
 from serving.jobs.progress import last_event, read_progress, tail_lines
 from serving.jobs.store import JobStore, utcnow
 from training.progress import Event, RunStatus
-from vit_service.config import Settings
+from vit_service.config import DEFAULT_PRINCIPAL, Settings
 
 log = logging.getLogger(__name__)
 
 # an `end` event with one of these says the run succeeded (the last: a job runner's own word)
 SUCCESS_STATUSES = (RunStatus.finished, RunStatus.stopped, JobState.succeeded)
+CAPACITY_TTL_S = 1.0  # an executor's resource reading is reused this long (a Ray head's lags)
 
 
 def _host_id() -> str:
@@ -71,6 +73,13 @@ class JobManager:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._renewed = -math.inf  # monotonic time of the last lease renewal
+        # a check of the queued caps and the insert it allows, one submit at a time (in this
+        # process; two API processes may still overshoot a cap by a job or so)
+        self._submit_lock = threading.Lock()
+        self._needs: dict[str, Resources] = {}  # job id -> what it holds running (admission)
+        # the last reading: when, what, whether the executor answered
+        self._capacity_read: tuple[float, Capacity | None, bool] = (-math.inf, None, True)
+        self._capacity_lock = threading.Lock()  # one reading at a time
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -108,7 +117,9 @@ class JobManager:
 
     # --- API operations -------------------------------------------------------------------------
     def submit(self, recipe: str, overrides: dict[str, Any], name: str = "",
-               nprocs: int = 1, priority: int = 0) -> Job:
+               nprocs: int = 1, priority: int = 0, owner: str = DEFAULT_PRINCIPAL) -> Job:
+        """Check a request and queue it for ``owner`` (the API key's principal): 422 for what
+        could never run, 429 past a queued cap (:meth:`_check_queued_caps`)."""
         if not 1 <= nprocs <= self.settings.jobs_max_procs:
             raise JobError(422, f"nprocs must be between 1 and {self.settings.jobs_max_procs}")
         roots = [self.settings.data_dir.resolve(), self.settings.home.resolve()]
@@ -118,11 +129,15 @@ class JobManager:
         if self.validate is validation.validate_recipe:  # a real recipe: its model can be counted
             validation.check_model_size(recipe, overrides, self.settings.jobs_max_params)
             validation.check_dataset(recipe, overrides, self.settings)
-        self._check_queue()
         self.executor.check()
-        job = self.store.create(name=name, recipe=recipe, overrides=overrides, nprocs=nprocs,
-                                runs_root=self.runs_root, priority=priority)
-        log.info("job %s queued (priority %d): %s %s", job.id, priority, recipe, overrides)
+        self._check_fits(Job.model_construct(recipe=recipe, overrides=overrides, nprocs=nprocs))
+        with self._submit_lock:
+            self._check_queued_caps(owner)
+            job = self.store.create(name=name, recipe=recipe, overrides=overrides,
+                                    nprocs=nprocs, runs_root=self.runs_root, priority=priority,
+                                    owner=owner)
+        log.info("job %s queued for %s (priority %d): %s %s", job.id, owner, priority, recipe,
+                 overrides)
         return self._with_queue([job])[0]
 
     def cancel(self, job_id: str) -> Job:
@@ -150,12 +165,18 @@ class JobManager:
         return self._get(job_id)
 
     def resume(self, job_id: str) -> Job:
+        """Queue a failed or cancelled job again: it counts against its owner's queued caps
+        like a new one (429)."""
         job = self._get(job_id)
-        done = self.store.transition(
-            job_id, {JobState.failed, JobState.cancelled}, state=JobState.queued, resume=1,
-            exit_code=None, finished_at=None, reason=None, pid=None, pid_start=None,
-            executor=None,
-        )
+        done = None
+        if job.state in (JobState.failed, JobState.cancelled):
+            with self._submit_lock:
+                self._check_queued_caps(owner_of(job))
+                done = self.store.transition(
+                    job_id, {JobState.failed, JobState.cancelled}, state=JobState.queued,
+                    resume=1, exit_code=None, finished_at=None, reason=None, pid=None,
+                    pid_start=None, executor=None,
+                )
         if done is None:
             raise JobError(409, f"job {job_id} is {job.state.value}; only failed or cancelled "
                                 "jobs can be resumed")
@@ -185,30 +206,113 @@ class JobManager:
 
     def tick(self) -> None:
         """One scheduling pass: follow the running jobs (progress, ends), renew this host's
-        leases and settle expired ones of other hosts, start queued jobs. An executor that
-        does not answer ends the pass (retried on the next)."""
+        leases and settle expired ones of other hosts, start the queued jobs admission lets
+        start (:mod:`serving.jobs.admission`). An executor that does not answer ends the pass
+        (retried on the next)."""
         with self._lock:
             try:
                 for job_id in self.executor.following(self._running()):
                     self._follow(job_id)
                 if self.executor.host_bound:
                     self._renew_leases()
-                while self._busy() < self.executor.concurrency:
-                    job = self.store.next_queued()
-                    if job is None:
-                        break
-                    self._launch(job)
+                queue = self._queue()
+                if queue:
+                    running = self._running()
+                    # a host-bound executor's slots: the attempts this process follows
+                    busy = len(self.executor.following(running)) \
+                        if self.executor.host_bound else len(running)
+                    for job in self._plan(queue, running, busy, strict=True).start:
+                        self._launch(job)
             except ExecutorUnavailable:
                 return  # logged by the executor
 
     def _running(self) -> list[Job]:
         return self.store.list(JobState.running, limit=10_000)
 
-    def _busy(self) -> int:
-        """Attempts held against the concurrency: a host-bound executor's own, or every
-        running job of a shared cluster (whichever API process started it)."""
-        running = self._running()
-        return len(self.executor.following(running) if self.executor.host_bound else running)
+    def _queue(self) -> list[Job]:
+        """The queued jobs in admission order (priority, then age)."""
+        ids = self.store.queue_order()
+        if not ids:
+            return []
+        found = {j.id: j for j in self.store.list(JobState.queued, limit=len(ids) + 1000)}
+        return [found[i] for i in ids if i in found]
+
+    def _holding(self, running: list[Job]) -> list[Job]:
+        """The running jobs that hold this executor's slots and resources, from the table (any
+        API process answers alike): a host-bound executor's jobs on this host, or every job a
+        shared cluster runs (whichever API process started it)."""
+        if self.executor.host_bound:
+            return [j for j in running if j.host in (None, self.host)
+                    and j.executor in (None, self.executor.name)]
+        mine = set(self.executor.following(running))
+        return [j for j in running if j.id in mine]
+
+    def _plan(self, queue: list[Job], running: list[Job], busy: int, strict: bool) -> Plan:
+        """Admission over ``queue`` (:func:`serving.jobs.admission.plan`), with what the
+        executor has free less what the running jobs hold. ``strict``: an executor that does
+        not answer ends the pass (:class:`ExecutorUnavailable`); else (answering a request)
+        resources are left out of the reasons."""
+        capacity = self._capacity(strict) if self.settings.jobs_admit_by_resources else None
+        if capacity is not None:
+            capacity = capacity.held(add(self._need(j) for j in self._holding(running)))
+        live = {j.id for j in queue} | {j.id for j in running}
+        for job_id in list(self._needs):  # a copy: requests' threads add to it meanwhile
+            if job_id not in live:
+                self._needs.pop(job_id, None)
+        return plan(queue, running, busy=busy, slots=self.executor.concurrency,
+                    executor=self.executor.name, settings=self.settings, capacity=capacity,
+                    needs=self._need, shape=self.executor.placement)
+
+    def _capacity(self, strict: bool) -> Capacity | None:
+        """The executor's reading of its resources (a request to a Ray head), reused for
+        CAPACITY_TTL_S. Not ``strict`` (a request being answered): never waits on another
+        thread's reading (the last one is used meanwhile), and a failed reading is remembered
+        as unknown for as long, so a head that hangs delays one request, not every one."""
+        at, cap, answered = self._capacity_read
+        if time.monotonic() - at < CAPACITY_TTL_S and (answered or not strict):
+            return cap
+        if not self._capacity_lock.acquire(blocking=strict):
+            return cap
+        try:
+            cap = self.executor.capacity()
+        except ExecutorUnavailable:
+            self._capacity_read = (time.monotonic(), None, False)
+            if strict:
+                raise
+            return None
+        finally:
+            self._capacity_lock.release()
+        self._capacity_read = (time.monotonic(), cap, True)
+        return cap
+
+    def _need(self, job: Job) -> Resources:
+        """What ``job`` holds while it runs (:meth:`Executor.needs`), read once per job. A
+        recipe that no longer loads holds nothing here (its attempt fails on its own)."""
+        if job.id not in self._needs:
+            try:
+                self._needs[job.id] = self.executor.needs(job)
+            except Exception as e:  # noqa: BLE001 (any recipe error: admission goes on)
+                log.warning("job %s: its needs are unknown (%s: %s); admitted by slots alone",
+                            job.id, type(e).__name__, e)
+                self._needs[job.id] = {}
+        return self._needs[job.id]
+
+    def _check_fits(self, draft: Job) -> None:
+        """422 for a job larger than all this executor has (it could never start), where
+        that cannot grow (a cluster's autoscaler may add nodes: there it waits)."""
+        if not self.settings.jobs_admit_by_resources:
+            return
+        capacity = self._capacity(strict=False)
+        if capacity is None or capacity.elastic:
+            return
+        try:
+            need = self.executor.needs(draft)
+        except Exception:  # noqa: BLE001 (validated already; a stand-in recipe in tests)
+            return
+        if (too_big := capacity.too_big(need, self.executor.placement(draft))) is not None:
+            raise JobError(422, f"this job needs {too_big}: it could never start here "
+                                "(VIT_SERVICE_JOBS_CPUS / VIT_SERVICE_JOBS_GPUS); ask for "
+                                "fewer processes, threads or another device")
 
     def _launch(self, job: Job) -> None:
         lease = {"host": self.host, "heartbeat_at": utcnow()} if self.executor.host_bound else {}
@@ -307,30 +411,33 @@ class JobManager:
         """The jobs, the queued ones with their place in the queue and what they wait for."""
         if not any(j.state == JobState.queued for j in found):
             return found
-        order = {job_id: i for i, job_id in enumerate(self.store.queue_order())}
+        queue = self._queue()
+        order = {job.id: i for i, job in enumerate(queue)}
         # from the table, not the executor: any API process (leader or not) answers the same
         running = self._running()
-        busy = len([j for j in running if j.host in (None, self.host)]
-                   if self.executor.host_bound else running)
-        slots = self.executor.concurrency
+        busy = len(self._holding(running) if self.executor.host_bound else running)
+        waiting = self._plan(queue, running, busy, strict=False).waiting_for
         out = []
         for job in found:
             pos = order.get(job.id)
             if job.state != JobState.queued or pos is None:
                 out.append(job)
                 continue
-            if pos:
-                why = f"{pos} job{'s' * (pos > 1)} ahead in the queue"
-            elif busy >= slots:
-                why = f"a free slot: {busy} of {slots} running ({self.executor.name})"
-            else:
-                why = "the scheduler's next pass"
-            out.append(job.model_copy(update={"queue_position": pos + 1, "waiting_for": why}))
+            out.append(job.model_copy(update={"queue_position": pos + 1,
+                                              "waiting_for": waiting.get(job.id)}))
         return out
 
-    def _check_queue(self) -> None:
-        """429 when the queue already holds ``jobs_max_queued`` jobs."""
-        queued = len(self.store.list(JobState.queued, limit=self.settings.jobs_max_queued + 1))
-        if queued >= self.settings.jobs_max_queued:
-            raise JobError(429, f"the job queue is full ({queued} queued, the limit is "
-                                f"{self.settings.jobs_max_queued}); retry when one has started")
+    def _check_queued_caps(self, owner: str) -> None:
+        """429, saying which cap and by how much, when the queue already holds
+        ``jobs_max_queued`` jobs, or ``owner`` has ``jobs_max_queued_per_key`` queued."""
+        s = self.settings
+        queued = self.store.list(JobState.queued, limit=10_000)
+        if len(queued) >= s.jobs_max_queued:
+            raise JobError(429, f"the job queue is full ({len(queued)} queued, the limit is "
+                                f"{s.jobs_max_queued}: VIT_SERVICE_JOBS_MAX_QUEUED); retry "
+                                "when one has started")
+        mine = sum(owner_of(j) == owner for j in queued)
+        if s.jobs_max_queued_per_key is not None and mine >= s.jobs_max_queued_per_key:
+            raise JobError(429, f"key {owner} has {mine} jobs queued, its limit is "
+                                f"{s.jobs_max_queued_per_key} (VIT_SERVICE_JOBS_MAX_QUEUED_"
+                                "PER_KEY); retry when one of them has started")

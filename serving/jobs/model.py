@@ -89,6 +89,9 @@ class Job(BaseModel):
     executor: str | None = Field(None, description="where the current attempt runs (local | "
                                  "ray), once that executor accepted it")
     priority: int = Field(0, description="higher starts first; equal ones in submission order")
+    owner: str | None = Field(
+        None, description="the principal (API key name) that submitted it: `default` for "
+        "VIT_SERVICE_API_KEY; null for jobs from before owners were recorded")
     queue_position: int | None = Field(
         None, description="while queued: 1 = admitted next (by priority, then age)")
     waiting_for: str | None = Field(None, description="while queued: why it has not started")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,14 @@ from training.progress import Event
 
 TAIL_BYTES = 256 * 1024  # the most a tail of a log reads
 
+# what Ray puts before a line a worker printed: colour codes around "(RayTrainWorker pid=12,
+# ip=10.0.0.2) "; the line after it is the worker's own
+_RAY_PREFIX = re.compile(r"^(?:\x1b\[[0-9;]*m)*\([^)]*\)(?:\x1b\[[0-9;]*m)*\s*")
+
 
 def parse_event(line: str) -> dict[str, Any] | None:
     """The progress event a log line holds, or None for any other line."""
-    line = line.strip()
+    line = _RAY_PREFIX.sub("", line.strip(), count=1)
     if not line.startswith("{"):
         return None
     try:
@@ -36,6 +41,9 @@ def merge_progress(progress: dict[str, Any], event: dict[str, Any]) -> None:
     """Fold one event into ``progress`` (in place): counters, the latest numeric fields as
     metrics, the end status and a pre-flight failure's reason."""
     kind = event.get("event")
+    if kind == Event.cluster:  # where the workers run: apart from the run's own progress
+        _merge_cluster(progress.setdefault("cluster", {}), event)
+        return
     progress["last_event"] = kind
     for k in ("epoch", "epochs", "step", "total_steps"):
         if k in event:
@@ -53,6 +61,42 @@ def merge_progress(progress: dict[str, Any], event: dict[str, Any]) -> None:
         progress["status"] = event["status"]
     if kind == Event.preflight and event.get("reason"):
         progress["preflight"] = str(event["reason"])
+
+
+def _merge_cluster(cluster: dict[str, Any], event: dict[str, Any]) -> None:
+    """A multi-node run's placement (training/ray_train.py): the current group's attempt and
+    workers (rank -> node id, host), the latest phase and checkpointed step."""
+    phase = event.get("phase")
+    cluster["phase"] = phase
+    attempt = event.get("attempt")
+    if isinstance(attempt, int) and attempt > int(cluster.get("attempt") or 0):
+        cluster["attempt"], cluster["workers"] = attempt, {}  # a new group: restarted
+    if phase == "ready" and "rank" in event:
+        cluster.setdefault("workers", {})[str(event["rank"])] = {
+            "node_id": event.get("node_id"), "host": event.get("host")}
+        cluster["nodes"] = len({w["node_id"] for w in cluster["workers"].values()})
+    elif phase == "checkpoint" and "at_step" in event:
+        cluster["checkpoint_step"] = event["at_step"]
+    elif phase == "failed":
+        cluster["error"] = str(event.get("error", ""))[-500:]
+
+
+def cluster_timeline(path: Path) -> list[dict[str, Any]]:
+    """The ``cluster`` events of a job's log, once each (nodes sharing one machine's log folder
+    repeat each other's lines), in time order: a multi-node job's timeline."""
+    seen: dict[tuple, dict[str, Any]] = {}
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                event = parse_event(line)
+                if event is None or event.get("event") != Event.cluster:
+                    continue
+                key = (event.get("phase"), event.get("rank"), event.get("attempt"),
+                       event.get("at_step"), event.get("time"))
+                seen.setdefault(key, event)
+    except OSError:
+        return []
+    return sorted(seen.values(), key=lambda e: float(e.get("time") or 0))
 
 
 def read_progress(store: JobStore, job_id: str, offset: int) -> tuple[Job, int]:

@@ -5,12 +5,15 @@ The SQL job table stays the source of truth; Ray runs the processes. Each attemp
 submitted through ``ray.job_submission.JobSubmissionClient`` with ``submission_id`` = our job id
 (``<id>-r<n>`` for the n-th attempt after a resume: Ray ids are single-use) and, as entrypoint,
 the same validated ``vit-service train RECIPE --set ...`` command line the local executor runs
-(built from the recipe name and typed overrides, shell-quoted; never a user string), under
-``torchrun --standalone`` when the job asks several processes (one node: see docs/jobs.md).
-Resources come from the recipe: a GPU per process for ``device: cuda`` (and for ``auto`` when
-``ray_auto_gpus``), ``ray_cpus_per_proc`` CPUs per process. The ``runtime_env`` carries
-environment variables only (tracking URI, home, data folder, the stop grace): the nodes run the
-trainer image, which has the package installed, so no code is uploaded.
+(built from the recipe name and typed overrides, shell-quoted; never a user string). A job that
+asks several processes (``nprocs``) runs a Ray Train driver instead (:mod:`training.ray_train`):
+``nprocs`` workers that may land on different nodes, checkpoints in Ray's storage
+(``ray_storage_path``), restarted from the last one when a worker or node dies
+(``ray_max_failures``). Resources come from the recipe: a GPU per process for ``device: cuda``
+(and for ``auto`` when ``ray_auto_gpus``), ``ray_cpus_per_proc`` CPUs per process. The
+``runtime_env`` carries environment variables only (tracking URI, home, data folder, the stop
+grace): the nodes run the trainer image, which has the package installed, so no code is
+uploaded.
 
 Every scheduler pass polls every running job of the table with Ray, whichever API process
 started it (two API replicas on one database see the same cluster):
@@ -25,10 +28,11 @@ started it (two API replicas on one database see the same cluster):
 Logs come through Ray (``get_job_logs``): each pass appends what is new to the job's ``job.log``
 under the API's own home, so logs, progress and metric series are read exactly as for a local
 job, and the API needs no disk shared with the nodes. Cancel is ``stop_job``: Ray sends SIGTERM,
-the trainer checkpoints, and SIGKILL follows after ``jobs_cancel_grace_s``
-(``RAY_JOB_STOP_WAIT_TIME_S`` in the job's environment). A resume submits the next attempt with
-``--resume if-exists``: the trainer finds the checkpoint under the shared ``ray_home`` on
-whichever node runs it.
+the trainer checkpoints (a Ray Train driver passes the stop on to its workers), and SIGKILL
+follows after ``jobs_cancel_grace_s`` (``RAY_JOB_STOP_WAIT_TIME_S`` in the job's environment).
+A resume submits the next attempt: one process with ``--resume if-exists`` (the trainer finds
+the checkpoint under the shared ``ray_home`` on whichever node runs it); a Ray Train job with
+the same run name and storage, from which Ray hands its workers the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from serving.jobs.commands import preflight_command, train_command
+from serving.jobs.admission import Capacity, Node, Shape
+from serving.jobs.commands import preflight_command, ray_train_command, train_command
 from serving.jobs.executor import (
     CANCEL_REQUESTED,
     Ended,
@@ -192,9 +197,32 @@ class RayExecutor:
         return {"executor": self.name, "reason": PENDING_REASON}
 
     def command(self, job: Job) -> list[str]:
-        # the trainer checks the shared run folder itself: the API cannot see the nodes' disks
-        return train_command(job, self.settings.resolved_ray_python,
-                             "if-exists" if job.resume else None)
+        """One process: ``vit-service train`` (the trainer checks the shared run folder for a
+        checkpoint itself: the API cannot see the nodes' disks). Several: a Ray Train driver
+        whose workers may land on different nodes (:mod:`training.ray_train`); a resumed job
+        reuses the run name and storage, so Ray hands its workers the latest checkpoint."""
+        python = self.settings.resolved_ray_python
+        if job.nprocs <= 1:
+            return train_command(job, python, "if-exists" if job.resume else None)
+        return ray_train_command(job, python, storage=self.storage_path(),
+                                 **self.worker_resources(job),
+                                 max_failures=self.settings.ray_max_failures,
+                                 placement=self.settings.ray_placement)
+
+    def storage_path(self) -> str:
+        """Ray Train's ``storage_path``: where multi-worker jobs' checkpoints go."""
+        s = self.settings
+        return s.ray_storage_path or f"{s.ray_home or s.home.resolve()}/ray-train"
+
+    def worker_resources(self, job: Job) -> dict[str, float]:
+        """What each process of the job asks: ``ray_cpus_per_proc`` CPUs, and a GPU for a
+        ``device: cuda`` recipe (and ``auto`` with ``ray_auto_gpus``)."""
+        from training.recipes import load_recipe
+
+        device = load_recipe(job.recipe, job.overrides).device
+        gpus = device == "cuda" or (device == "auto" and self.settings.ray_auto_gpus)
+        return {"cpus_per_worker": self.settings.ray_cpus_per_proc,
+                "gpus_per_worker": 1.0 if gpus else 0.0}
 
     def runtime_env(self) -> dict[str, Any]:
         s = self.settings
@@ -205,19 +233,23 @@ class RayExecutor:
             "VIT_SERVICE_DATA_DIR": s.ray_data_dir or str(s.data_dir.resolve()),
             "RAY_JOB_STOP_WAIT_TIME_S": str(max(1, round(s.jobs_cancel_grace_s))),
             "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+            # every worker's progress lines reach the job log: Ray's log deduplication would
+            # keep one of N lines that differ only in numbers (each rank's "ready", say)
+            "RAY_DEDUP_LOGS": "0",
         }
         if s.cache_dir is not None:
             env["VIT_SERVICE_CACHE_DIR"] = str(s.cache_dir.resolve())
         return {"env_vars": env}
 
     def resources(self, job: Job) -> dict[str, float]:
-        from training.recipes import load_recipe
-
-        device = load_recipe(job.recipe, job.overrides).device
-        gpus = device == "cuda" or (device == "auto" and self.settings.ray_auto_gpus)
-        out = {"entrypoint_num_cpus": self.settings.ray_cpus_per_proc * job.nprocs}
-        if gpus:
-            out["entrypoint_num_gpus"] = float(job.nprocs)
+        """What the entrypoint reserves: the whole job for one process; nothing for a Ray
+        Train driver (it only coordinates: its workers reserve their own, on any node)."""
+        if job.nprocs > 1:
+            return {"entrypoint_num_cpus": 0.0}
+        per = self.worker_resources(job)
+        out = {"entrypoint_num_cpus": per["cpus_per_worker"]}
+        if per["gpus_per_worker"]:
+            out["entrypoint_num_gpus"] = per["gpus_per_worker"]
         return out
 
     def poll(self, job: Job) -> Poll:
@@ -297,3 +329,52 @@ class RayExecutor:
                 state["bytes"] = len(data)
                 (run_dir / "ray-mirror.json").write_text(json.dumps(state))
         return text
+
+    # --- admission: what a job needs, what the cluster has free ------------------------------
+    _no_report_logged = False  # said once that the head publishes no resource report
+
+    def needs(self, job: Job) -> dict[str, float]:
+        """What the job holds on Ray while it runs, as admission counts it: each process's
+        CPUs and GPUs (:meth:`worker_resources`) times ``nprocs``: the entrypoint's for one
+        process, the Ray Train workers' for several (their driver reserves nothing)."""
+        per = self.worker_resources(job)  # one process, or each Ray Train worker
+        return {"CPU": per["cpus_per_worker"] * job.nprocs,
+                "GPU": per["gpus_per_worker"] * job.nprocs}
+
+    def placement(self, job: Job) -> Shape:
+        """One process: on one node. A Ray Train job's workers: each on any node with room
+        (``ray_placement`` PACK, SPREAD), one per node (STRICT_SPREAD), or all on one
+        (STRICT_PACK)."""
+        how = self.settings.ray_placement
+        if job.nprocs <= 1 or how == "STRICT_PACK":
+            return Shape()
+        return Shape(job.nprocs, 1 if how == "STRICT_SPREAD" else None)
+
+    def capacity(self) -> Capacity | None:
+        """Each node's CPUs and GPUs, in all and in use, from the head's dashboard over HTTP
+        (``GET /api/cluster_status``: the autoscaler monitor's load report, refreshed every
+        second or so; what ``ray status`` prints). None when the head publishes no report
+        (autoscaler v2 writes none): jobs are then admitted by slots and Ray queues the rest.
+        An empty report (a head just started) is a cluster with nothing free yet."""
+        resp = self._call("_do_request", "GET", "/api/cluster_status")
+        try:
+            resp.raise_for_status()
+            status = (resp.json().get("data") or {}).get("clusterStatus")
+            usage = status["loadMetricsReport"]["usageByNode"] if status else None
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            log.warning("the Ray head at %s gave no resource report (%s): jobs are admitted "
+                        "by slots alone", self.address, e)
+            return None
+        if usage is None:
+            if not self._no_report_logged:
+                log.warning("the Ray head at %s publishes no resource report (autoscaler v2?): "
+                            "jobs are admitted by slots alone, Ray queues what does not fit",
+                            self.address)
+                self._no_report_logged = True
+            return None
+        nodes = []
+        for per_node in usage.values():  # resource -> [used, total]
+            total = {r: float(per_node.get(r, (0.0, 0.0))[1]) for r in ("CPU", "GPU")}
+            used = {r: float(per_node.get(r, (0.0, 0.0))[0]) for r in ("CPU", "GPU")}
+            nodes.append(Node(total, {r: total[r] - used[r] for r in total}))
+        return Capacity(nodes, cluster="the Ray cluster", elastic=True)

@@ -70,19 +70,26 @@ jobs = Table(
     Column("host", String(200)),  # the lease: see Job.host
     _when("heartbeat_at"),
     Column("priority", Integer, nullable=False, default=0),  # higher starts first
+    Column("owner", String(64)),  # the submitting API key's principal; NULL: before owners
 )
 
-# columns added after the first release: (name, DDL type), added to older tables on start-up
-_ADDED_COLUMNS = (("executor", "VARCHAR(16)"), ("host", "VARCHAR(200)"),
-                  ("heartbeat_at", "TIMESTAMP"), ("priority", "INTEGER NOT NULL DEFAULT 0"))
+# columns added after the first release, added to older tables on start-up: (name, what follows
+# the type, which is the table's own in the database's dialect: a timestamp with time zone on
+# PostgreSQL, where a bare TIMESTAMP would shift every value by the server's time zone)
+_ADDED_COLUMNS = (("executor", ""), ("host", ""), ("heartbeat_at", ""),
+                  ("priority", " NOT NULL DEFAULT 0"), ("owner", ""))
 
 # the admission order: higher priority first, then first come, first served
 _QUEUE_ORDER = (jobs.c.priority.desc(), jobs.c.created_at, jobs.c.id)
 
 
 def _job(row: Row) -> Job:
-    def aware(d: datetime | None) -> datetime | None:  # SQLite drops tzinfo
-        return d.replace(tzinfo=timezone.utc) if d is not None and d.tzinfo is None else d
+    def aware(d: datetime | None) -> datetime | None:
+        """In UTC whatever the database gives: SQLite drops the zone (we wrote UTC), PostgreSQL
+        answers in its session's time zone."""
+        if d is None:
+            return None
+        return d.replace(tzinfo=timezone.utc) if d.tzinfo is None else d.astimezone(timezone.utc)
 
     values = dict(row._mapping)
     for k in ("created_at", "started_at", "finished_at", "heartbeat_at"):
@@ -150,12 +157,13 @@ class JobStore:
 
     def create(
         self, *, name: str, recipe: str, overrides: dict[str, Any], nprocs: int, runs_root: Path,
-        priority: int = 0,
+        priority: int = 0, owner: str | None = None,
     ) -> Job:
         job_id = uuid.uuid4().hex[:12]
         q = insert(jobs).values(
             id=job_id, name=name or f"{recipe}-{job_id}", recipe=recipe, overrides=overrides,
             nprocs=nprocs, state=JobState.queued.value, created_at=utcnow(), priority=priority,
+            owner=owner,
             run_dir=str((runs_root / f"job-{job_id}").resolve()), progress={},
         )
         with self.engine.begin() as conn:
@@ -227,6 +235,7 @@ class JobStore:
         """A jobs table from an older release gets the columns added since (no data moves)."""
         have = {c["name"] for c in inspect(self.engine).get_columns(jobs.name)}
         with self.engine.begin() as conn:
-            for name, ddl in _ADDED_COLUMNS:
+            for name, rest in _ADDED_COLUMNS:
                 if name not in have:
+                    ddl = jobs.c[name].type.compile(dialect=self.engine.dialect) + rest
                     conn.execute(text(f"ALTER TABLE {jobs.name} ADD COLUMN {name} {ddl}"))

@@ -1,7 +1,8 @@
 """Training jobs: launch a known recipe with typed overrides, follow it, cancel, resume.
 
-Every route needs the API key (``Authorization: Bearer <key>``); with no key configured they are
-refused (403).
+Every route needs an API key (``Authorization: Bearer <key>``); with no key configured they are
+refused (403). The key's principal (its name in ``VIT_SERVICE_API_KEYS``, ``default`` for
+``VIT_SERVICE_API_KEY``) owns the jobs it submits: per-key caps count them (docs/jobs.md).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from serving.deps import ApiKeyDep, JsonBodyDep, SettingsDep
+from serving.deps import ApiKeyDep, JsonBodyDep, PrincipalDep, SettingsDep
 from serving.errors import error_responses
 from serving.jobs import JobError, JobManager, JobState
 from serving.jobs.schemas import Job, JobCreate, JobList, JobLogs, JobMetrics, Recipe, RecipeList
@@ -36,11 +37,12 @@ def list_recipes() -> RecipeList:
 
 
 @router.post("/jobs", response_model=Job, status_code=status.HTTP_202_ACCEPTED,
-             dependencies=[JsonBodyDep], responses=error_responses(415, 422),
+             dependencies=[JsonBodyDep], responses=error_responses(415, 422, 429),
              summary="Queue a training job")
-async def create_job(body: JobCreate, jobs: JobsDep, settings: SettingsDep) -> Job:
+async def create_job(body: JobCreate, jobs: JobsDep, settings: SettingsDep,
+                     owner: PrincipalDep) -> Job:
     job = await run_in_threadpool(jobs.submit, body.recipe, body.overrides, body.name,
-                                  body.nprocs, body.priority)
+                                  body.nprocs, body.priority, owner)
     return job.with_run_url(settings.mlflow_ui_url)
 
 
@@ -77,7 +79,7 @@ def cancel_job(job_id: str, jobs: JobsDep, settings: SettingsDep) -> Job:
 
 
 @router.post("/jobs/{job_id}/resume", response_model=Job, status_code=status.HTTP_202_ACCEPTED,
-             responses=error_responses(404, 409),
+             responses=error_responses(404, 409, 429),
              summary="Queue a failed or cancelled job again, from its last checkpoint")
 def resume_job(job_id: str, jobs: JobsDep, settings: SettingsDep) -> Job:
     return jobs.resume(job_id).with_run_url(settings.mlflow_ui_url)

@@ -29,7 +29,7 @@ class Info(BaseModel):
 @router.get("/v1/info", response_model=Info, summary="Service version and the MLflow UI link")
 def info(settings: SettingsDep) -> Info:
     return Info(version=__version__, mlflow_ui_url=settings.mlflow_ui_url,
-                api_key_configured=settings.api_key is not None)
+                api_key_configured=bool(settings.principals))
 
 
 @router.get("/", include_in_schema=False)

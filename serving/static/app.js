@@ -358,12 +358,14 @@ async function refreshJobs() {
         const p = j.progress;
         let prog = p.total_steps ? `step ${p.step || 0}/${p.total_steps}` + (p.epoch != null ? `, epoch ${p.epoch + 1}` : "") : "";
         if (j.state === "running" && p.metrics.eta_s != null) prog += ` · <span class="eta">ETA ${fmtEta(p.metrics.eta_s)}</span>`;
+        const c = p.cluster;  // a multi-node (Ray Train) job: its workers' nodes, restarts
+        if (c && c.workers) prog += ` · <span class="cluster" title="${esc(Object.entries(c.workers).map(([r, w]) => `rank ${r}: ${w.host} ${String(w.node_id).slice(0, 8)}`).join("\n"))}">${Object.keys(c.workers).length} workers on ${c.nodes} node${c.nodes === 1 ? "" : "s"}${c.attempt > 1 ? `, restart ${c.attempt - 1}` : ""}</span>`;
         if (j.state === "queued" && j.queue_position) prog = `<span class="queue">#${j.queue_position} in queue · waiting for ${esc(j.waiting_for || "")}</span>`;
         const on = state.picked.has(j.id) ? "checked" : "";
         const check = `<input type="checkbox" class="pick" data-id="${j.id}" ${on} title="plot this job">`;
         const link = j.mlflow_run_url ? `<a href="${esc(j.mlflow_run_url)}" target="_blank" rel="noopener">run</a>` : "";
         const cancel = ["queued", "running"].includes(j.state) ? `<button class="cancel" data-id="${j.id}">Cancel</button>` : "";
-        return `<tr data-id="${j.id}"><td>${check}</td><td title="${j.id}">${esc(j.name)}</td><td>${esc(j.recipe)}</td><td class="state-${j.state}">${j.state}${j.reason ? ` <span class="muted">(${esc(j.reason)})</span>` : ""}</td><td>${prog}</td><td>${fmtMetrics(p.metrics)}</td><td>${link}</td><td>${cancel}</td></tr>`;
+        return `<tr data-id="${j.id}"><td>${check}</td><td title="${j.id}">${esc(j.name)}</td><td class="owner">${esc(j.owner || "")}</td><td>${esc(j.recipe)}</td><td class="state-${j.state}">${j.state}${j.reason ? ` <span class="muted">(${esc(j.reason)})</span>` : ""}</td><td>${prog}</td><td>${fmtMetrics(p.metrics)}</td><td>${link}</td><td>${cancel}</td></tr>`;
       })
       .join("");
     await loadSeries(jobs);

@@ -109,12 +109,18 @@ def test_entrypoint_and_resources_come_from_the_recipe(tmp_path: Path) -> None:
     mgr = create_job_manager(_settings(tmp_path, _dead_address(), ray_cpus_per_proc=2))
     job = mgr.store.create(name="x", recipe="cifar10-vit", overrides={"epochs": 3}, nprocs=2,
                            runs_root=mgr.runs_root)
-    cmd = mgr.executor.command(job)
-    assert cmd[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       "--nproc_per_node=2", "-m"]
-    assert cmd[6:9] == ["vit_service.cli", "train", "cifar10-vit"]
+    cmd = mgr.executor.command(job)  # several processes: a Ray Train driver, N workers
+    assert cmd[:6] == [sys.executable, "-m", "training.ray_train", "cifar10-vit", "--run-name",
+                       f"job-{job.id}"]
+    flags = dict(zip(cmd[6:-2:2], cmd[7:-2:2], strict=True))
+    assert flags == {"--workers": "2", "--cpus-per-worker": "2", "--gpus-per-worker": "1",
+                     "--storage": f"{mgr.settings.home.resolve()}/ray-train",
+                     "--max-failures": "2", "--placement": "PACK"}
+    assert cmd[-2:] == ["--set", "epochs=3"]
     assert shlex.split(shlex.join(cmd)) == cmd  # what Ray's shell runs is exactly this
-    assert mgr.executor.resources(job) == {"entrypoint_num_cpus": 4.0, "entrypoint_num_gpus": 2.0}
+    # the driver reserves nothing; admission counts the workers
+    assert mgr.executor.resources(job) == {"entrypoint_num_cpus": 0.0}
+    assert mgr.executor.needs(job) == {"CPU": 4.0, "GPU": 2.0}
     cpu = mgr.store.create(name="y", recipe="cifar10-vit-cpu", overrides={}, nprocs=1,
                            runs_root=mgr.runs_root)
     assert mgr.executor.resources(cpu) == {"entrypoint_num_cpus": 2.0}
@@ -125,32 +131,6 @@ def test_entrypoint_and_resources_come_from_the_recipe(tmp_path: Path) -> None:
     assert set(ray.runtime_env()) == {"env_vars"}  # no code upload: the nodes have the package
     assert env["VIT_SERVICE_HOME"] == str(mgr.settings.home.resolve())
     assert env["RAY_JOB_STOP_WAIT_TIME_S"] == "30"  # the cancel grace: SIGTERM, then SIGKILL
-
-
-def test_a_two_process_job_runs_ddp_under_torchrun_on_ray(tmp_path: Path,
-                                                          ray_head: RayHead) -> None:
-    """nprocs=2 on Ray: one entrypoint reserving 2 CPUs, `torchrun --standalone` inside it, two
-    Gloo ranks; the run finishes with world size 2 (what the GPU recipes do with 2 GPUs)."""
-    from tests.training.conftest import make_cifar_archive, mlflow_client
-
-    data = tmp_path / "data"
-    data.mkdir()
-    make_cifar_archive(data / "cifar10-jpeg-train.tar.gz", per_class=30)
-    home = tmp_path / "home"
-    uri = f"sqlite:///{home / 'mlflow.db'}"
-    mgr = create_job_manager(Settings(home=home, data_dir=data, jobs_executor="ray",
-                                 ray_address=ray_head.address,
-                                 cache_dir=tmp_path / "cache",
-                                 **{"MLFLOW_TRACKING_URI": uri}))  # the field's alias
-    assert mgr.settings.resolved_tracking_uri == uri
-    job = mgr.submit("cifar10-smoke", {"epochs": 1, "threads": 1, "attention_samples": 0,
-                                       "device": "cpu"}, nprocs=2)
-    job = _follow(mgr, job.id, 240)
-    log = "\n".join(mgr.logs(job.id, tail=400))
-    assert job.state == JobState.succeeded, f"{job.state}: {job.reason}\n{log[-3000:]}"
-    assert "torch.distributed.run --standalone --nproc_per_node=2 -m vit_service.cli" in log
-    run = mlflow_client(uri).get_run(job.mlflow_run_id)
-    assert run.data.params["train.world_size"] == "2"
 
 
 def test_the_interpreter_defaults_to_this_environment_for_a_head_on_this_machine(

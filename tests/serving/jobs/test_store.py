@@ -1,17 +1,30 @@
-"""JobStore: the claim is one atomic compare-and-set across processes; older tables migrate."""
+"""JobStore: the claim is one atomic compare-and-set across processes; older tables migrate.
+Each on SQLite and on a real PostgreSQL server (tests/serving/jobs/postgres_server.py)."""
 
 from __future__ import annotations
 
-import sqlite3
 import threading
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
+
+import pytest
+from sqlalchemy import JSON, Column, DateTime, Integer, MetaData, String, Table, Text, create_engine
 
 from serving.jobs.store import JobState, JobStore, utcnow
 
 
-def test_two_stores_claim_a_queued_job_exactly_once(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'jobs.db'}"
-    a, b = JobStore(url), JobStore(url)  # two API processes on one database
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A new jobs database: a SQLite file, or a fresh database on the test PostgreSQL."""
+    if request.param == "postgres":
+        yield request.getfixturevalue("pg_url")
+    else:
+        yield f"sqlite:///{tmp_path / 'jobs.db'}"
+
+
+def test_two_stores_claim_a_queued_job_exactly_once(db_url: str, tmp_path: Path) -> None:
+    a, b = JobStore(db_url), JobStore(db_url)  # two API processes on one database
     ids = [a.create(name="", recipe="r", overrides={}, nprocs=1, runs_root=tmp_path).id
            for _ in range(20)]
     wins: dict[str, list[str]] = {i: [] for i in ids}
@@ -34,19 +47,34 @@ def test_two_stores_claim_a_queued_job_exactly_once(tmp_path: Path) -> None:
     assert a.transition(ids[0], {JobState.queued}, state=JobState.cancelled) is None
 
 
-def test_an_older_table_gets_the_new_columns(tmp_path: Path) -> None:
-    db = tmp_path / "old.db"
-    with sqlite3.connect(db) as conn:  # the jobs table as the first release created it
-        conn.execute("""CREATE TABLE jobs (id VARCHAR(32) PRIMARY KEY, name VARCHAR(200),
-            recipe VARCHAR(100), overrides JSON, nprocs INTEGER, state VARCHAR(16),
-            created_at DATETIME, started_at DATETIME, finished_at DATETIME, exit_code INTEGER,
-            reason TEXT, pid INTEGER, pid_start VARCHAR(32), run_dir TEXT, resume INTEGER,
-            attempts INTEGER, mlflow_run_id VARCHAR(64), progress JSON)""")
-        conn.execute("""INSERT INTO jobs VALUES ('abc', 'n', 'r', '{}', 1, 'succeeded',
-            '2026-01-01 00:00:00', NULL, NULL, 0, NULL, NULL, NULL, '/x', 0, 1, NULL, '{}')""")
-    store = JobStore(f"sqlite:///{db}")
+def test_an_older_table_gets_the_new_columns(db_url: str) -> None:
+    old_table = Table(  # the jobs table as the first release created it
+        "jobs", MetaData(),
+        Column("id", String(32), primary_key=True), Column("name", String(200)),
+        Column("recipe", String(100)), Column("overrides", JSON), Column("nprocs", Integer),
+        Column("state", String(16)), *(Column(c, DateTime(timezone=True)) for c in (
+            "created_at", "started_at", "finished_at")),
+        Column("exit_code", Integer), Column("reason", Text), Column("pid", Integer),
+        Column("pid_start", String(32)), Column("run_dir", Text), Column("resume", Integer),
+        Column("attempts", Integer), Column("mlflow_run_id", String(64)),
+        Column("progress", JSON))
+    created = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    engine = create_engine(db_url)
+    old_table.metadata.create_all(engine)
+    with engine.begin() as conn:
+        conn.execute(old_table.insert().values(
+            id="abc", name="n", recipe="r", overrides={}, nprocs=1, state="succeeded",
+            created_at=created, exit_code=0, run_dir="/x", resume=0, attempts=1, progress={}))
+    engine.dispose()
+    store = JobStore(db_url)
     old = store.get("abc")
     assert old is not None and old.state == JobState.succeeded and old.executor is None
+    assert old.created_at == created and old.created_at.utcoffset() == timedelta(0)
     assert old.priority == 0  # rows from before priorities: the default
     assert store.update("abc", executor="ray").executor == "ray"
-    JobStore(f"sqlite:///{db}")  # and opening it again is a no-op
+    # the added timestamp keeps its zone (a bare TIMESTAMP on PostgreSQL would shift it by
+    # the server's time zone, which is not UTC in these tests)
+    beat = utcnow().replace(microsecond=0)
+    assert store.update("abc", heartbeat_at=beat).heartbeat_at == beat
+    JobStore(db_url).engine.dispose()  # and opening it again is a no-op
+    store.engine.dispose()

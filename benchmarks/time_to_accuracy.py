@@ -1,0 +1,166 @@
+"""Time to accuracy: one recipe family whose only difference is ``budget_minutes``.
+
+Each run is the shipped recipe (``cifar10-vit-convstem-cpu`` by default: its schedule,
+resolution phases and evaluation are sized by the budget) trained to the end of its budget, one
+at a time, on an otherwise idle machine::
+
+    python benchmarks/time_to_accuracy.py run --budgets 5 10 30 60 --seeds 0 1 \\
+        --data-dir ../shared/data --results benchmarks/results/time_to_accuracy.jsonl
+    python benchmarks/time_to_accuracy.py plot \\
+        --results benchmarks/results/time_to_accuracy.jsonl \\
+        --out docs/img/time_to_accuracy.png --log-to-mlflow
+
+``run`` appends one JSON line per run (budget, seed, validation accuracy as served, wall time,
+steps, the load average before and after, the CPU); ``plot`` draws accuracy against minutes
+(each seed a point, the mean a line), prints the markdown table docs/benchmarks.md carries and,
+with ``--log-to-mlflow``, logs the PNG and the table to an MLflow run of the ``benchmarks``
+experiment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("time_to_accuracy")
+RECIPE = "cifar10-vit-convstem-cpu"
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _end_event(stdout: str) -> dict[str, Any]:
+    for line in reversed(stdout.splitlines()):
+        line = line.strip()
+        if line.startswith("{") and '"event": "end"' in line:
+            return json.loads(line)
+    raise RuntimeError("the run printed no end event")
+
+
+def run(args: argparse.Namespace) -> None:
+    results = Path(args.results)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    for budget in args.budgets:
+        for seed in args.seeds:
+            cmd = [sys.executable, "-m", "vit_service.cli", "train", args.recipe,
+                   "--data-dir", args.data_dir, "--run-name", f"tta-{budget:g}m-s{seed}",
+                   "--set", f"budget_minutes={budget:g}", "--set", f"seed={seed}"]
+            if not args.register:
+                cmd.append("--no-register")
+            load0 = os.getloadavg()[0]
+            t0 = time.monotonic()
+            log.info("budget %g min, seed %d: %s", budget, seed, " ".join(cmd))
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            wall = time.monotonic() - t0
+            if proc.returncode != 0:
+                raise SystemExit(f"run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+            end = _end_event(proc.stdout)
+            rec = {"recipe": args.recipe, "budget_minutes": budget, "seed": seed,
+                   "val_acc": end.get("val_acc"), "steps": end.get("step"),
+                   "wall_s": round(wall, 1), "load_before": round(load0, 2),
+                   "load_after": round(os.getloadavg()[0], 2), "cpu": _cpu(),
+                   "mlflow_run_id": end.get("mlflow_run_id"),
+                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            log.info("-> %s", rec)
+            with results.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    by: dict[float, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by[float(r["budget_minutes"])].append(r)
+    out = ["| budget | seeds | val acc (each) | mean | steps (mean) | wall (mean) | load |",
+           "|---:|---:|---|---:|---:|---:|---|"]
+    for b in sorted(by):
+        rs = sorted(by[b], key=lambda r: r["seed"])
+        accs = [100 * r["val_acc"] for r in rs]
+        loads = f"{min(r['load_before'] for r in rs):.1f}-{max(r['load_after'] for r in rs):.1f}"
+        out.append(
+            f"| {b:g} min | {len(rs)} | {' / '.join(f'{a:.2f}' for a in accs)} % | "
+            f"**{statistics.mean(accs):.2f} %** | {statistics.mean(r['steps'] for r in rs):,.0f}"
+            f" | {statistics.mean(r['wall_s'] for r in rs) / 60:.1f} min | {loads} |")
+    return "\n".join(out)
+
+
+def plot(args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in Path(args.results).read_text().splitlines() if line]
+    rows = [r for r in rows if r["recipe"] == args.recipe]
+    by: dict[float, list[float]] = defaultdict(list)
+    for r in rows:
+        by[float(r["budget_minutes"])].append(100 * r["val_acc"])
+    budgets = sorted(by)
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for b in budgets:
+        ax.scatter([b] * len(by[b]), by[b], color="tab:blue", alpha=0.6, s=18)
+    ax.plot(budgets, [statistics.mean(by[b]) for b in budgets], "-o", color="tab:blue",
+            label=f"{args.recipe} (mean of seeds)")
+    ax.set_xscale("log")
+    ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+    ax.set_xlabel("training budget, minutes (whole run: data, training, evaluation)")
+    ax.set_ylabel("CIFAR-10 validation accuracy, %")
+    ax.set_title(f"Time to accuracy on {rows[0]['cpu'] if rows else '?'}", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out)
+    table = _table(rows)
+    print(table)
+    log.info("wrote %s", out)
+    if args.log_to_mlflow:
+        import mlflow
+
+        mlflow.set_experiment("benchmarks")
+        with mlflow.start_run(run_name=f"time-to-accuracy-{args.recipe}"):
+            mlflow.log_artifact(str(out))
+            mlflow.log_text(table, "time_to_accuracy.md")
+            for b in budgets:
+                mlflow.log_metric(f"val_acc_mean_{b:g}min", statistics.mean(by[b]) / 100)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="train the recipe at each budget and seed, one at a time")
+    r.add_argument("--budgets", type=float, nargs="+", default=[5, 10, 30, 60])
+    r.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    r.add_argument("--data-dir", required=True)
+    r.add_argument("--register", action="store_true", help="register each run's model")
+    q = sub.add_parser("plot", help="the plot and the table from the results")
+    q.add_argument("--out", default="docs/img/time_to_accuracy.png")
+    q.add_argument("--log-to-mlflow", action="store_true")
+    for s in (r, q):
+        s.add_argument("--recipe", default=RECIPE)
+        s.add_argument("--results", default="benchmarks/results/time_to_accuracy.jsonl")
+    args = p.parse_args(argv)
+    run(args) if args.cmd == "run" else plot(args)
+
+
+if __name__ == "__main__":
+    main()
