@@ -29,7 +29,13 @@ from serving.model_cards import ModelCards
 from serving.model_store import ModelStore
 from serving.routers import datasets, health, jobs, models, predict
 from serving.routers.ui import SecurityHeadersMiddleware, mount_ui
-from serving.workers import ModelSync, PgLeadership, exit_with_parent, leadership_for
+from serving.workers import (
+    Leadership,
+    ModelSync,
+    PgLeadership,
+    exit_with_parent,
+    leadership_for,
+)
 from vit_service import __version__, tracking
 from vit_service.config import Settings, get_settings
 from vit_service.data.datasets import DatasetStore
@@ -107,14 +113,21 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     tasks: list[asyncio.Task] = []
     poll: list[asyncio.Task] = []  # the registry poll, while this process leads
     leading = False  # the job scheduler runs in this process
+    # The registry poll runs once per home: with the job scheduler under the home's flock, but
+    # apart from it when jobs lead per PostgreSQL database (every host must still refresh its
+    # own models: no other host's poll reaches them)
+    several = sync is not None
+    home_lead = (Leadership(settings.home / "serving.lock" if several else None)
+                 if isinstance(leadership, PgLeadership) else leadership)
+    poll_with_jobs = home_lead is leadership
 
     async def lead() -> None:
-        """The job scheduler and the registry poll run in one process: per home, or per
-        PostgreSQL jobs database (serving/workers.py)."""
+        """The job scheduler runs in one process: per home, or per PostgreSQL jobs database
+        (serving/workers.py); the registry poll with it per home (else: ``home_lead``)."""
         nonlocal leading
         leading = True
         await asyncio.to_thread(job_manager.start)  # re-adopts or settles jobs left running
-        if settings.reload_interval_s > 0:
+        if settings.reload_interval_s > 0 and poll_with_jobs:
             poll.append(asyncio.create_task(
                 store.poll_forever(settings.reload_interval_s), name="model-poll"))
 
@@ -159,6 +172,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         log.info("another process leads %s: this one serves only", leadership.where)
     if not leadership.is_leader or isinstance(leadership, PgLeadership):  # a hold to watch
         tasks.append(asyncio.create_task(keep_leading(), name="leadership"))
+    if not poll_with_jobs and settings.reload_interval_s > 0:
+
+        async def poll_for_this_home() -> None:
+            while not await asyncio.to_thread(home_lead.try_acquire):
+                await asyncio.sleep(settings.leader_check_s)
+            await store.poll_forever(settings.reload_interval_s)
+
+        tasks.append(asyncio.create_task(poll_for_this_home(), name="model-poll"))
     await store.load_all()
     missing = [n for n in store.names if store.get(n) is None]
     if missing:
@@ -182,3 +203,5 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if leading or leadership.is_leader:
             await asyncio.to_thread(job_manager.stop)  # running jobs go on; re-adopted
         leadership.release()
+        if not poll_with_jobs:
+            home_lead.release()

@@ -8,9 +8,10 @@ per home, whatever the number of processes:
   runs the job scheduler and polls the model registry. The kernel drops the lock when its
   holder dies, however it dies, and the other workers try to take it every couple of seconds,
   so a killed leader is replaced without a restart (the new one re-adopts running jobs, as after
-  any restart). When the jobs database is PostgreSQL the lock is a session-level advisory lock
-  in that database instead (:class:`PgLeadership`): one leader among every API process of every
-  host sharing it, not one per home.
+  any restart). When the jobs database is PostgreSQL the job scheduler's lock is a
+  session-level advisory lock in that database instead (:class:`PgLeadership`): one scheduler
+  among every API process of every host sharing it; the registry poll stays per home (each
+  host's processes serve their own copies of the models).
 * **One model version.** A process that swaps a model in (the leader's registry poll, or a
   ``POST /v1/models/{name}/reload`` that landed on any worker) publishes the source's
   fingerprint (``name/version`` for a registry alias) in ``$HOME/serving-models.json``. Every

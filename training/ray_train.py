@@ -158,16 +158,14 @@ def _worker_loop(config: dict[str, Any]) -> None:
     settings = get_settings()
     resume: Path | None = None
     latest = ray.train.get_checkpoint()
+    local = Path(tempfile.mkdtemp(prefix=f"ray-ckpt-r{rank}-"))  # removed at the end
     if latest is not None:  # a restart, or a resumed job: Ray's latest checkpoint
-        local = Path(tempfile.mkdtemp(prefix=f"ray-ckpt-r{rank}-"))
         with latest.as_directory() as d:
             shutil.copy2(Path(d) / "last.pt", local / "last.pt")
             step = json.loads((Path(d) / "step.json").read_text())["step"]
         resume = local / "last.pt"
         cluster_event("restored", rank=rank, attempt=attempt, at_step=step,
                       checkpoint=latest.path)
-    elif config.get("resume_local"):  # a resumed job started before checkpoints went to Ray
-        resume = config["resume_local"]
 
     workers: list[Any] = [None] * world
     if dist.is_initialized():
@@ -203,8 +201,13 @@ def _worker_loop(config: dict[str, Any]) -> None:
                        progress=_WorkerProgress(rank, attempt))
     finally:
         done.set()
+        shutil.rmtree(local, ignore_errors=True)
     if rank == 0 and result.mlflow_run_id:
-        _tag_run(result.mlflow_run_id, workers, attempt)
+        try:
+            _tag_run(result.mlflow_run_id, workers, attempt)
+        except Exception as e:  # noqa: BLE001 (the run itself is done: not worth a restart)
+            log.warning("could not tag MLflow run %s with its nodes: %s",
+                        result.mlflow_run_id, e)
     if result.exit_code == EXIT_SIGTERM:  # the driver's stop: checkpointed, not a failure
         cluster_event("stopped", rank=rank, at_step=result.step, attempt=attempt)
         return
@@ -283,11 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     def stop(signum: int, _frame: object) -> None:
         """The job's cancel: ask the workers to checkpoint and stop (Ray SIGKILLs us after
         its grace, RAY_JOB_STOP_WAIT_TIME_S)."""
-        if not stopping:
-            stopping.append(signum)
-            log.warning("%s: asking the workers to stop", signal.Signals(signum).name)
+        if stopping:
+            return
+        log.warning("%s: asking the workers to stop", signal.Signals(signum).name)
+        try:
             marker.set()
-            cluster_event("stopping")
+        except OSError as e:  # storage unreachable: a second signal tries again
+            log.error("could not write the stop marker %s: %s", marker.path, e)
+            return
+        stopping.append(signum)
+        cluster_event("stopping")
 
     ray.init()  # the Ray job's own cluster (RAY_ADDRESS), or a local one when run by hand
     # after ray.init(), which installs a handler of its own that exits at once

@@ -93,7 +93,9 @@ def train(
                         run_name=f"{run_name or default_run_name(recipe)}-teacher",
                         tracking_uri=tracking_uri,
                         register=False, mlflow_enabled=mlflow_enabled, settings=settings,
-                        progress=progress, started_at=started_at, on_checkpoint=on_checkpoint)
+                        progress=progress, started_at=started_at)
+        # (the teacher's checkpoints are not handed on: a Ray Train restart resuming from one
+        # would take the teacher's recipe and run name for the job's own)
         if teacher.exit_code:
             return teacher
         recipe = with_teacher(recipe, teacher.run_dir / "bundle")

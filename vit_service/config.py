@@ -20,11 +20,14 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 MIN_API_KEY_LENGTH = 16  # a key short enough to guess is no key
 DEFAULT_PRINCIPAL = "default"  # who VIT_SERVICE_API_KEY authenticates
-PRINCIPAL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
+PRINCIPAL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")  # whole name: fullmatch
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="VIT_SERVICE_", extra="ignore")
+    # hide_input_in_errors: an error about one bad entry of VIT_SERVICE_API_KEYS must not
+    # print the others (start-up errors go to logs)
+    model_config = SettingsConfigDict(env_prefix="VIT_SERVICE_", extra="ignore",
+                                      hide_input_in_errors=True)
 
     # --- where things live -------------------------------------------------------------------
     home: Path = Field(Path(".vit-service"), description="runs, checkpoints, local databases")
@@ -259,7 +262,7 @@ class Settings(BaseSettings):
         out: dict[str, str] = {}
         for name, key in v.items():
             raw = str(key.get_secret_value() if isinstance(key, SecretStr) else key).strip()
-            if not PRINCIPAL_NAME.match(str(name)):
+            if not PRINCIPAL_NAME.fullmatch(str(name)):
                 raise ValueError(f"API key name {name!r}: 1-64 of A-Z a-z 0-9 _ . @ -, "
                                  "starting with a letter or digit")
             if len(raw) < MIN_API_KEY_LENGTH:

@@ -77,6 +77,10 @@ class Executor(Protocol):
         Returns the fields to record; raises :class:`LaunchFailed` (the job fails) or
         :class:`ExecutorUnavailable` (it is queued again)."""
 
+    def forget(self) -> None:
+        """Drop every attempt followed so far (before a start after a step-down: what is still
+        this host's is adopted again from the table)."""
+
     def adopt(self, job: Job) -> bool:
         """After a restart, follow a running attempt again; False if it is gone."""
 

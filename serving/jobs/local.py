@@ -137,6 +137,10 @@ class LocalExecutor:
         log.info("job %s started (pid %d): %s", job.id, proc.pid, " ".join(cmd))
         return {"pid": proc.pid, "pid_start": start, "executor": self.name}
 
+    def forget(self) -> None:
+        with self._lock:
+            self.procs.clear()
+
     def adopt(self, job: Job) -> bool:
         if job.pid is None or not alive(job.pid, job.pid_start):
             return False
@@ -191,7 +195,9 @@ class LocalExecutor:
     @property
     def cpus(self) -> float:
         """CPUs local jobs may hold: ``jobs_cpus``, else those this process may run on."""
-        return float(self.settings.jobs_cpus or len(os.sched_getaffinity(0)))
+        from training.launch import cores
+
+        return float(self.settings.jobs_cpus or cores())
 
     @property
     def gpus(self) -> int:

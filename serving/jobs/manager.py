@@ -83,6 +83,11 @@ class JobManager:
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
+        """Start scheduling: also after a step-down (serving/app.py), when what this process
+        followed before may have been settled, or resumed elsewhere, by another leader: the
+        executor forgets it and :meth:`recover` re-adopts from the table what is still ours."""
+        self.executor.forget()
+        self._offsets.clear()
         self.executor.start()
         self.recover()
         self._stop.clear()
@@ -170,6 +175,7 @@ class JobManager:
         job = self._get(job_id)
         done = None
         if job.state in (JobState.failed, JobState.cancelled):
+            self._check_fits(job)  # the machine may have shrunk since (422, not queued forever)
             with self._submit_lock:
                 self._check_queued_caps(owner_of(job))
                 done = self.store.transition(
@@ -288,14 +294,17 @@ class JobManager:
     def _need(self, job: Job) -> Resources:
         """What ``job`` holds while it runs (:meth:`Executor.needs`), read once per job. A
         recipe that no longer loads holds nothing here (its attempt fails on its own)."""
-        if job.id not in self._needs:
+        need = self._needs.get(job.id)
+        if need is None:
             try:
-                self._needs[job.id] = self.executor.needs(job)
+                need = self.executor.needs(job)
             except Exception as e:  # noqa: BLE001 (any recipe error: admission goes on)
                 log.warning("job %s: its needs are unknown (%s: %s); admitted by slots alone",
                             job.id, type(e).__name__, e)
-                self._needs[job.id] = {}
-        return self._needs[job.id]
+                need = {}
+            # a local, then setdefault: another thread may prune the cache between the two
+            need = self._needs.setdefault(job.id, need)
+        return need
 
     def _check_fits(self, draft: Job) -> None:
         """422 for a job larger than all this executor has (it could never start), where
@@ -355,9 +364,12 @@ class JobManager:
                 self._settle_from_log(self._get(job_id), why)
             case Ended(state=state, reason=reason, exit_code=code, fields=fields):
                 self._offsets.pop(job_id, None)
-                self.store.update(job_id, **fields, state=state, exit_code=code,
-                                  finished_at=utcnow(), reason=reason, pid=None)
-                log.info("job %s %s (exit %s)", job_id, state.value, code)
+                if self.executor.host_bound and job.host not in (None, self.host):
+                    return  # settled and started again by another host meanwhile: not ours
+                if self.store.transition(job_id, {JobState.running}, **fields, state=state,
+                                         exit_code=code, finished_at=utcnow(), reason=reason,
+                                         pid=None) is not None:
+                    log.info("job %s %s (exit %s)", job_id, state.value, code)
 
     # --- leases of host-bound attempts ------------------------------------------------------------
     def _renew_leases(self) -> None:

@@ -165,6 +165,9 @@ class RayExecutor:
     def check(self) -> None:
         self._call("get_version")  # 503 now rather than a job that cannot start
 
+    def forget(self) -> None:
+        pass  # nothing held: every pass asks Ray about every running job
+
     def adopt(self, job: Job) -> bool:
         return True  # nothing to adopt by pid: every pass polls every running job with Ray
 
@@ -236,6 +239,9 @@ class RayExecutor:
             # every worker's progress lines reach the job log: Ray's log deduplication would
             # keep one of N lines that differ only in numbers (each rank's "ready", say)
             "RAY_DEDUP_LOGS": "0",
+            # multi-worker jobs rely on Train v2 (a resumed job's driver gets the run's latest
+            # checkpoint from the storage by its name); on by default in the tested Ray 2.60
+            "RAY_TRAIN_V2_ENABLED": "1",
         }
         if s.cache_dir is not None:
             env["VIT_SERVICE_CACHE_DIR"] = str(s.cache_dir.resolve())

@@ -233,9 +233,18 @@ class JobStore:
 
     def _add_missing_columns(self) -> None:
         """A jobs table from an older release gets the columns added since (no data moves)."""
-        have = {c["name"] for c in inspect(self.engine).get_columns(jobs.name)}
+        columns = {c["name"]: c for c in inspect(self.engine).get_columns(jobs.name)}
         with self.engine.begin() as conn:
             for name, rest in _ADDED_COLUMNS:
-                if name not in have:
+                if name not in columns:
                     ddl = jobs.c[name].type.compile(dialect=self.engine.dialect) + rest
                     conn.execute(text(f"ALTER TABLE {jobs.name} ADD COLUMN {name} {ddl}"))
+            # an earlier release added heartbeat_at as a bare TIMESTAMP: PostgreSQL stored the
+            # aware values in the session's zone and they read back as UTC (leases expiring at
+            # once, or never); the stored values are read in that zone
+            beat = columns.get("heartbeat_at")
+            if (self.engine.dialect.name == "postgresql" and beat is not None
+                    and not getattr(beat["type"], "timezone", True)):
+                conn.execute(text(
+                    f"ALTER TABLE {jobs.name} ALTER COLUMN heartbeat_at TYPE TIMESTAMPTZ "
+                    "USING heartbeat_at AT TIME ZONE current_setting('TimeZone')"))

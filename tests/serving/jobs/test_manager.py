@@ -312,3 +312,28 @@ def test_two_hosts_on_one_database_leave_each_others_live_jobs_alone(tmp_path: P
     assert done.state == JobState.failed, done
     assert "host-a stopped renewing its lease" in done.reason and "resume" in done.reason
     assert (time.monotonic() - deadline + 10) >= 1.0  # not before the lease ran out
+
+
+def test_after_a_step_down_an_attempt_settled_and_resumed_elsewhere_is_left_alone(
+        settings: Settings) -> None:
+    """This process stops leading mid-job (serving/app.py step-down: the manager stops), the
+    new leader on another host settles the job and resumes it there. When this process leads
+    again it forgets its old attempt, and its attempt's end never overwrites the job."""
+    mgr = _manager(settings)
+    job = mgr.submit("fake", {"steps": 30})
+    _wait(mgr, job.id, {JobState.running})
+    mgr.start()
+    mgr.stop()  # stepped down
+    assert job.id in mgr.executor.procs
+    # the other host: settled it, resumed it, and runs it now
+    mgr.store.update(job.id, state=JobState.running, host="other-host", attempts=2,
+                     reason=None)
+    mgr.start()  # leads again: forgets, then re-adopts only what is still its host's
+    try:
+        assert job.id not in mgr.executor.procs
+        time.sleep(2.5)  # the old attempt ends meanwhile
+        mgr.tick()
+        now = mgr.get(job.id)
+        assert now.state == JobState.running and now.host == "other-host", now
+    finally:
+        mgr.stop()

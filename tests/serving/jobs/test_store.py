@@ -9,7 +9,18 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from sqlalchemy import JSON, Column, DateTime, Integer, MetaData, String, Table, Text, create_engine
+from sqlalchemy import (
+    JSON,
+    Column,
+    DateTime,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    create_engine,
+    text,
+)
 
 from serving.jobs.store import JobState, JobStore, utcnow
 
@@ -77,4 +88,27 @@ def test_an_older_table_gets_the_new_columns(db_url: str) -> None:
     beat = utcnow().replace(microsecond=0)
     assert store.update("abc", heartbeat_at=beat).heartbeat_at == beat
     JobStore(db_url).engine.dispose()  # and opening it again is a no-op
+    store.engine.dispose()
+
+
+def test_a_bare_timestamp_heartbeat_from_an_earlier_release_is_made_zone_aware(
+        db_url: str) -> None:
+    """An earlier release added ``heartbeat_at`` as a bare TIMESTAMP; on PostgreSQL (whose
+    server zone is not UTC in these tests) an aware value was stored in the session's zone and
+    read back as if UTC. Opening the store turns the column into TIMESTAMPTZ, reading the
+    stored values in that zone: the instant written before comes back."""
+    JobStore(db_url).engine.dispose()  # today's table
+    engine = create_engine(db_url)
+    beat = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("ALTER TABLE jobs ALTER COLUMN heartbeat_at TYPE TIMESTAMP "
+                              "USING heartbeat_at AT TIME ZONE 'UTC'"))
+        conn.execute(text(
+            "INSERT INTO jobs (id, name, recipe, overrides, nprocs, state, created_at, "
+            "run_dir, resume, attempts, progress, priority, heartbeat_at) VALUES ('b', 'n', "
+            "'r', '{}', 1, 'running', :t, '/x', 0, 1, '{}', 0, :t)"), {"t": beat})
+    engine.dispose()
+    store = JobStore(db_url)
+    assert store.get("b").heartbeat_at == beat
     store.engine.dispose()
