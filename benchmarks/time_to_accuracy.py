@@ -10,9 +10,10 @@ at a time, on an otherwise idle machine::
         --results benchmarks/results/time_to_accuracy.jsonl \\
         --out docs/img/time_to_accuracy.png --log-to-mlflow
 
-``run`` appends one JSON line per run (budget, seed, validation accuracy as served, wall time,
-steps, the load average before and after, the CPU); ``plot`` draws accuracy against minutes
-(each seed a point, the mean a line), prints the markdown table docs/benchmarks.md carries and,
+``run`` appends one JSON line per run (budget, seed, validation accuracy, wall time, steps,
+the load average before and after, the CPU); ``plot`` draws accuracy against minutes for each
+recipe in the results (each seed a point, the mean a line), prints the markdown tables
+docs/benchmarks.md carries and,
 with ``--log-to-mlflow``, logs the PNG and the table to an MLflow run of the ``benchmarks``
 experiment.
 """
@@ -76,6 +77,7 @@ def run(args: argparse.Namespace) -> None:
                    "val_acc": end.get("val_acc"), "steps": end.get("step"),
                    "wall_s": round(wall, 1), "load_before": round(load0, 2),
                    "load_after": round(os.getloadavg()[0], 2), "cpu": _cpu(),
+                   "cores": len(os.sched_getaffinity(0)),
                    "mlflow_run_id": end.get("mlflow_run_id"),
                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
             log.info("-> %s", rec)
@@ -106,40 +108,51 @@ def plot(args: argparse.Namespace) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in Path(args.results).read_text().splitlines() if line]
-    rows = [r for r in rows if r["recipe"] == args.recipe]
-    by: dict[float, list[float]] = defaultdict(list)
-    for r in rows:
-        by[float(r["budget_minutes"])].append(100 * r["val_acc"])
-    budgets = sorted(by)
+    every = [json.loads(line) for line in Path(args.results).read_text().splitlines() if line]
+    recipes = args.recipes or sorted({r["recipe"] for r in every})
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    for b in budgets:
-        ax.scatter([b] * len(by[b]), by[b], color="tab:blue", alpha=0.6, s=18)
-    ax.plot(budgets, [statistics.mean(by[b]) for b in budgets], "-o", color="tab:blue",
-            label=f"{args.recipe} (mean of seeds)")
+    tables, means = [], {}
+    for recipe, color in zip(recipes, ("tab:blue", "tab:orange", "tab:green", "tab:red"),
+                             strict=False):
+        rows = [r for r in every if r["recipe"] == recipe]
+        by: dict[float, list[float]] = defaultdict(list)
+        for r in rows:
+            by[float(r["budget_minutes"])].append(100 * r["val_acc"])
+        budgets = sorted(by)
+        for b in budgets:
+            ax.scatter([b] * len(by[b]), by[b], color=color, alpha=0.6, s=18)
+        ax.plot(budgets, [statistics.mean(by[b]) for b in budgets], "-o", color=color,
+                label=f"{recipe} (mean of seeds)")
+        tables.append(f"`{recipe}`\n\n{_table(rows)}")
+        means[recipe] = {b: statistics.mean(by[b]) for b in budgets}
+    ticks = sorted({b for m in means.values() for b in m})
     ax.set_xscale("log")
-    ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+    ax.minorticks_off()
+    ax.set_xticks(ticks, [f"{b:g}" for b in ticks])
     ax.set_xlabel("training budget, minutes (whole run: data, training, evaluation)")
     ax.set_ylabel("CIFAR-10 validation accuracy, %")
-    ax.set_title(f"Time to accuracy on {rows[0]['cpu'] if rows else '?'}", fontsize=8)
+    first = every[0] if every else {}
+    ax.set_title(f"Time to accuracy on {first.get('cpu', '?')}, {first.get('cores', '?')} "
+                 "cores", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(out)
-    table = _table(rows)
+    table = "\n\n".join(tables)
     print(table)
     log.info("wrote %s", out)
     if args.log_to_mlflow:
         import mlflow
 
         mlflow.set_experiment("benchmarks")
-        with mlflow.start_run(run_name=f"time-to-accuracy-{args.recipe}"):
+        with mlflow.start_run(run_name="time-to-accuracy"):
             mlflow.log_artifact(str(out))
             mlflow.log_text(table, "time_to_accuracy.md")
-            for b in budgets:
-                mlflow.log_metric(f"val_acc_mean_{b:g}min", statistics.mean(by[b]) / 100)
+            for recipe, m in means.items():
+                for b, acc in m.items():
+                    mlflow.log_metric(f"{recipe}.val_acc_mean_{b:g}min", acc / 100)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,8 +168,9 @@ def main(argv: list[str] | None = None) -> None:
     q = sub.add_parser("plot", help="the plot and the table from the results")
     q.add_argument("--out", default="docs/img/time_to_accuracy.png")
     q.add_argument("--log-to-mlflow", action="store_true")
+    r.add_argument("--recipe", default=RECIPE)
+    q.add_argument("--recipes", nargs="+", help="the recipes to draw (default: every one)")
     for s in (r, q):
-        s.add_argument("--recipe", default=RECIPE)
         s.add_argument("--results", default="benchmarks/results/time_to_accuracy.jsonl")
     args = p.parse_args(argv)
     run(args) if args.cmd == "run" else plot(args)
