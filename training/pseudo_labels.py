@@ -7,9 +7,11 @@ as in Yarowsky-style self-training and Xie et al. 2020's "noisy student"). The t
 predictions are cached beside the tokenised data, keyed by the teacher's weights and the texts.
 With ``data.pseudo_labels: teacher`` the run trains that teacher itself first (the same recipe
 on the labelled part alone, an MLflow run of its own, not registered), so self-training is one
-command and one job. Validation never sees the pseudo labels: the teacher was trained on the
-same train part with the same held-out rows (the recipe's split), and the unlabelled reviews
-are not in the validation set.
+command and one job; with ``data.pseudo_teachers: N`` it trains N teachers (seeds ``seed``,
+``seed + 1``, ...) and their averaged probabilities label the reviews: an ensemble is right more
+often than any of its members, so more of the labels it is sure of are right. Validation
+never sees the pseudo labels: the teacher was trained on the same train part with the same
+held-out rows (the recipe's split), and the unlabelled reviews are not in the validation set.
 """
 
 from __future__ import annotations
@@ -31,17 +33,30 @@ log = logging.getLogger(__name__)
 TEACHER = "teacher"  # data.pseudo_labels: train the teacher first, in the same run
 
 
-def teacher_recipe(recipe: Recipe) -> Recipe:
-    """The teacher a ``data.pseudo_labels: teacher`` run trains first: the same recipe on the
-    labelled reviews alone, not registered."""
-    data = recipe.data.model_copy(update={"include_unsup": False, "pseudo_labels": None})
-    return recipe.model_copy(update={"data": data, "register_as": None})
+def teacher_recipe(recipe: Recipe, k: int = 0) -> Recipe:
+    """The ``k``-th teacher a ``data.pseudo_labels: teacher`` run trains first: the same recipe
+    on the labelled reviews alone (the same split), seed ``seed + k``, not registered."""
+    data = recipe.data.model_copy(update={"include_unsup": False, "pseudo_labels": None,
+                                          "pseudo_teachers": 1})
+    return recipe.model_copy(update={"data": data, "register_as": None,
+                                     "seed": recipe.seed + k})
 
 
-def with_teacher(recipe: Recipe, bundle: Path) -> Recipe:
-    """The student's recipe once its teacher is trained: its pseudo labels from ``bundle``."""
+def with_teacher(recipe: Recipe, bundles: list[Path]) -> Recipe:
+    """The student's recipe once its teachers are trained: its pseudo labels from
+    ``bundles`` (saved with its checkpoints, so a resume labels with the same teachers)."""
+    names: str | list[str] = ([str(b) for b in bundles] if len(bundles) > 1
+                              else str(bundles[0]))
     return recipe.model_copy(update={"data": recipe.data.model_copy(
-        update={"pseudo_labels": str(bundle)})})
+        update={"pseudo_labels": names, "pseudo_teachers": 1})})
+
+
+def ensemble_probabilities(teachers: str | Path | list[str], texts: list[str],
+                           cache_dir: str | Path | None) -> np.ndarray:
+    """``(N, C)`` mean class probabilities of one or several teacher bundles on ``texts``."""
+    folders = teachers if isinstance(teachers, list) else [teachers]
+    return np.mean([teacher_probabilities(f, texts, cache_dir) for f in folders], axis=0,
+                   dtype=np.float32)
 
 
 def teacher_probabilities(teacher: str | Path, texts: list[str], cache_dir: str | Path | None,

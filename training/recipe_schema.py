@@ -73,9 +73,13 @@ class DataSpec(_Strict):
     include_unsup: bool = Field(
         False, description="imdb + objective mlm: also pretrain on the 50,000 unlabelled "
         "reviews; + objective classify with pseudo_labels: train on those a teacher labels")
-    pseudo_labels: str | None = Field(
-        None, description="imdb + classify + include_unsup: a teacher text bundle (folder) whose "
-        "confident predictions label the unlabelled reviews (self-training)")
+    pseudo_labels: str | list[str] | None = Field(
+        None, description="imdb + classify + include_unsup: a teacher text bundle (folder), or "
+        "several (their probabilities averaged), whose confident predictions label the "
+        "unlabelled reviews (self-training); 'teacher': the run trains its teachers first")
+    pseudo_teachers: int = Field(
+        1, ge=1, le=5, description="with pseudo_labels 'teacher': how many teachers the run "
+        "trains (seeds seed, seed+1, ...); their mean labels the reviews, more of them right")
     pseudo_min_confidence: float = Field(
         0.9, ge=0.5, le=1.0, description="the teacher's least top-class probability for a "
         "review to join the train part")
@@ -91,6 +95,11 @@ class DataSpec(_Strict):
         if self.pseudo_labels is not None and not self.include_unsup:
             raise ValueError("data.pseudo_labels labels the unlabelled reviews: it needs "
                              "data.include_unsup")
+        if self.pseudo_teachers > 1 and self.pseudo_labels != "teacher":
+            raise ValueError("data.pseudo_teachers is how many teachers a run trains: it needs "
+                             "data.pseudo_labels: teacher")
+        if isinstance(self.pseudo_labels, list) and not self.pseudo_labels:
+            raise ValueError("data.pseudo_labels: give at least one teacher bundle")
         return self
 
 

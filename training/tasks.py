@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from training.augment import CutMix, ImageAugment, normalize, smooth_one_hot, token_dropout
 from training.distributed import DistInfo
-from training.pseudo_labels import confident, teacher_probabilities
+from training.pseudo_labels import confident, ensemble_probabilities
 from training.recipes import Recipe
 from vit_service.bundle import CIFAR10_MEAN, CIFAR10_STD
 from vit_service.data import (
@@ -249,7 +249,7 @@ class TextTask(Task):
             unsup_texts = list(unsup.texts)
             unsup_labels = np.full(len(unsup), -1, np.int64)
             if d.pseudo_labels is not None:  # self-training: the teacher's confident labels
-                probs = teacher_probabilities(d.pseudo_labels, unsup_texts, cache_dir)
+                probs = ensemble_probabilities(d.pseudo_labels, unsup_texts, cache_dir)
                 rows, unsup_labels = confident(probs, d.pseudo_min_confidence)
                 unsup_texts = [unsup_texts[i] for i in rows]
                 log.info("pseudo labels: %d of %d unlabelled reviews at confidence >= %.2f "

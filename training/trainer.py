@@ -89,16 +89,20 @@ def train(
     applied; a run stopped by ``max_steps`` continues past it only with a new ``max_steps``
     (``None``: to the end)."""
     if resume is None and recipe.data.pseudo_labels == TEACHER:  # self-training's first phase
-        teacher = train(teacher_recipe(recipe), data_dir=data_dir,
-                        run_name=f"{run_name or default_run_name(recipe)}-teacher",
-                        tracking_uri=tracking_uri,
-                        register=False, mlflow_enabled=mlflow_enabled, settings=settings,
-                        progress=progress, started_at=started_at)
-        # (the teacher's checkpoints are not handed on: a Ray Train restart resuming from one
-        # would take the teacher's recipe and run name for the job's own)
-        if teacher.exit_code:
-            return teacher
-        recipe = with_teacher(recipe, teacher.run_dir / "bundle")
+        name = run_name or default_run_name(recipe)
+        bundles = []
+        for k in range(recipe.data.pseudo_teachers):
+            teacher = train(teacher_recipe(recipe, k), data_dir=data_dir,
+                            run_name=f"{name}-teacher" + (f"-{k + 1}" if k else ""),
+                            tracking_uri=tracking_uri,
+                            register=False, mlflow_enabled=mlflow_enabled, settings=settings,
+                            progress=progress, started_at=started_at)
+            # (the teachers' checkpoints are not handed on: a Ray Train restart resuming from
+            # one would take the teacher's recipe and run name for the job's own)
+            if teacher.exit_code:
+                return teacher
+            bundles.append(teacher.run_dir / "bundle")
+        recipe = with_teacher(recipe, bundles)
     try:
         return prepare_run(recipe, data_dir=data_dir, run_name=run_name, resume=resume,
                            resume_overrides=resume_overrides, tracking_uri=tracking_uri,

@@ -46,24 +46,32 @@ def resolve_paths(overrides: dict[str, Any], roots: list[Path]) -> dict[str, Any
             continue
         if value is None:
             continue
-        if not isinstance(value, str) or not value or "\x00" in value:
-            raise JobError(422, f"override {key!r} must be a path string")
-        if value.startswith("~"):
-            raise JobError(422, f"override {key!r}: ~ is not expanded here; give a path "
-                                "relative to the data folder")
-        if k == "init.from" and (value.startswith(NOT_A_PATH) or RUN_ID.match(value)):
-            continue
-        if k == "data.pseudo_labels" and value == "teacher":  # trained by the run itself
-            continue
-        if "://" in value:
-            raise JobError(422, f"override {key!r}: URLs are not accepted here")
-        p = Path(value)
-        p = (roots[0] / p if not p.is_absolute() else p).resolve()
-        if not any(p == r or r in p.parents for r in roots):
-            raise JobError(422, f"override {key!r}: {value!r} is outside the data and home "
-                                "folders")
-        _set(out, key, str(p))
+        if k == "data.pseudo_labels" and isinstance(value, list) and value:  # an ensemble
+            _set(out, key, [_resolve(f"{key}[{i}]", k, v, roots) for i, v in enumerate(value)])
+        else:
+            _set(out, key, _resolve(key, k, value, roots))
     return out
+
+
+def _resolve(key: str, k: str, value: Any, roots: list[Path]) -> str:
+    """One path override resolved inside ``roots`` (or kept: a run or model reference)."""
+    if not isinstance(value, str) or not value or "\x00" in value:
+        raise JobError(422, f"override {key!r} must be a path string")
+    if value.startswith("~"):
+        raise JobError(422, f"override {key!r}: ~ is not expanded here; give a path "
+                            "relative to the data folder")
+    if k == "init.from" and (value.startswith(NOT_A_PATH) or RUN_ID.match(value)):
+        return value
+    if k == "data.pseudo_labels" and value == "teacher":  # trained by the run itself
+        return value
+    if "://" in value:
+        raise JobError(422, f"override {key!r}: URLs are not accepted here")
+    p = Path(value)
+    p = (roots[0] / p if not p.is_absolute() else p).resolve()
+    if not any(p == r or r in p.parents for r in roots):
+        raise JobError(422, f"override {key!r}: {value!r} is outside the data and home "
+                            "folders")
+    return str(p)
 
 
 def check_caps(overrides: dict[str, Any], s: Settings) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -14,6 +15,30 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def jobs_env(root: Path, **extra: str) -> dict[str, str]:
+    """The environment of a jobs-API server under ``root``: ``root/data`` with a generated
+    CIFAR-10 archive (30 images per class), an empty ``root/home`` with its MLflow SQLite
+    database, this process's environment without any ``VIT_SERVICE_``/``MLFLOW_``/``RAY_``
+    setting of its own, fast polling, and ``extra`` (setting name -> value) on top."""
+    from tests.training.conftest import make_cifar_archive
+
+    data, home = root / "data", root / "home"
+    data.mkdir(parents=True)
+    home.mkdir()
+    make_cifar_archive(data / "cifar10-jpeg-train.tar.gz", per_class=30)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("VIT_SERVICE_", "MLFLOW_", "RAY_"))}
+    env.update({
+        "VIT_SERVICE_HOME": str(home), "VIT_SERVICE_DATA_DIR": str(data),
+        "VIT_SERVICE_CACHE_DIR": str(root / "cache"), "VIT_SERVICE_API_KEY": KEY,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
+        "VIT_SERVICE_JOBS_POLL_S": "0.2",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "LOG_LEVEL": "WARNING",
+        **extra,
+    })
+    return env
 
 
 def _free_port() -> int:

@@ -12,7 +12,7 @@ import torch
 
 from training.distributed import DistInfo
 from training.progress import Progress
-from training.pseudo_labels import confident, teacher_probabilities
+from training.pseudo_labels import confident, ensemble_probabilities, teacher_probabilities
 from training.recipes import RecipeError, load_recipe
 from training.tasks import build_task
 from training.trainer import train
@@ -72,7 +72,42 @@ def test_one_run_trains_its_teacher_first(env: dict[str, str], data_dir: Path) -
     assert ckpt["recipe"]["data"]["include_unsup"] is True
 
 
+def test_an_ensemble_of_teachers_trained_by_the_run_labels_with_its_mean(
+        env: dict[str, str], data_dir: Path) -> None:
+    """``data.pseudo_teachers: 2``: the run trains two teachers (seeds seed and seed + 1, the
+    same split), and their mean probabilities pick and label the reviews the student gets."""
+    settings = Settings()
+    student = load_recipe("imdb-smoke", {**QUIET, "seed": 3, "data.include_unsup": True,
+                                         "data.pseudo_labels": "teacher",
+                                         "data.pseudo_teachers": 2,
+                                         "data.pseudo_min_confidence": 0.5})
+    res = train(student, settings=settings, register=False, mlflow_enabled=False,
+                run_name="ens", progress=Progress(json_lines=True, stream=io.StringIO()))
+    runs = Path(settings.home) / "runs"
+    teachers = [runs / "ens-teacher" / "bundle", runs / "ens-teacher-2" / "bundle"]
+    ckpt = torch.load(res.checkpoint, weights_only=True)
+    assert ckpt["recipe"]["data"]["pseudo_labels"] == [str(t) for t in teachers]
+    seeds = [torch.load(t.parent / "checkpoints" / "last.pt", weights_only=True)["recipe"]["seed"]
+             for t in teachers]
+    assert seeds == [3, 4]
+
+    unsup = list(load_imdb(data_dir, "unsup", cache_dir=settings.cache_dir).texts)
+    each = [teacher_probabilities(t, unsup, settings.cache_dir) for t in teachers]
+    assert not np.allclose(each[0], each[1])  # two different teachers
+    mean = ensemble_probabilities([str(t) for t in teachers], unsup, settings.cache_dir)
+    assert np.allclose(mean, (each[0] + each[1]) / 2)
+    rows, labels = confident(mean, 0.5)
+    task = build_task(load_recipe("imdb-smoke", {**QUIET, "data.include_unsup": True,
+                                                 "data.pseudo_labels": [str(t) for t in teachers],
+                                                 "data.pseudo_min_confidence": 0.5}),
+                      DistInfo(), data_dir, settings.cache_dir)
+    assert task.train_y[task.n_train - len(rows):].tolist() == labels.tolist()
+
+
 @pytest.mark.parametrize("overrides, needle", [
+    ({"data.include_unsup": True, "data.pseudo_labels": "/x", "data.pseudo_teachers": 2},
+     "pseudo_teachers"),
+    ({"data.include_unsup": True, "data.pseudo_labels": []}, "at least one"),
     ({"data.pseudo_labels": "/x"}, "needs data.include_unsup"),
     ({"data.include_unsup": True}, "data.pseudo_labels"),
     ({"data.include_unsup": True, "data.pseudo_labels": "/x",

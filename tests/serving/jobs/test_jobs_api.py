@@ -6,7 +6,6 @@ loopback (one head for the whole session, tests/serving/jobs/ray_head.py)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from collections.abc import Iterator
@@ -15,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serving.procs import KEY, Server
-from tests.training.conftest import make_cifar_archive, mlflow_client
+from tests.serving.procs import Server, jobs_env
+from tests.training.conftest import mlflow_client
 
 
 @pytest.fixture(scope="module", params=["local", "ray"])
@@ -24,21 +23,9 @@ def server(request: pytest.FixtureRequest,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     executor = request.param
     root = tmp_path_factory.mktemp(f"jobs-e2e-{executor}")
-    data = root / "data"
-    data.mkdir()
-    make_cifar_archive(data / "cifar10-jpeg-train.tar.gz", per_class=30)
+    env = jobs_env(root, VIT_SERVICE_JOBS_CANCEL_GRACE_S="60",
+                   VIT_SERVICE_MLFLOW_UI_URL="http://mlflow.example:5000")
     home = root / "home"
-    home.mkdir()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("VIT_SERVICE_", "MLFLOW_", "RAY_"))}
-    env.update({
-        "VIT_SERVICE_HOME": str(home), "VIT_SERVICE_DATA_DIR": str(data),
-        "VIT_SERVICE_CACHE_DIR": str(root / "cache"), "VIT_SERVICE_API_KEY": KEY,
-        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
-        "VIT_SERVICE_JOBS_POLL_S": "0.2", "VIT_SERVICE_JOBS_CANCEL_GRACE_S": "60",
-        "VIT_SERVICE_MLFLOW_UI_URL": "http://mlflow.example:5000",
-        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "LOG_LEVEL": "WARNING",
-    })
     if executor == "ray":
         head = request.getfixturevalue("ray_head")
         # VIT_SERVICE_RAY_PYTHON unset: a head on this machine runs jobs with the API's own

@@ -29,8 +29,7 @@ from serving.workers import (
     prepare_home,
 )
 from tests.serving.jobs.postgres_server import PostgresServer
-from tests.serving.procs import KEY, Server
-from tests.training.conftest import make_cifar_archive
+from tests.serving.procs import Server, jobs_env
 from vit_service.config import Settings
 
 # a process that takes the leader's lock as PgLeadership does (a session lock on a connection
@@ -160,21 +159,10 @@ def test_two_api_hosts_on_one_database(postgres: PostgresServer, pg_url: str,
     filesystem): one leads and starts every job once; its connection ended, it steps down;
     the leading host killed (API and job), the other leads, leaves the dead host's job running
     until its lease expired, then settles it (resumable), and runs what was queued."""
-    data, home = tmp_path / "data", tmp_path / "home"
-    data.mkdir()
-    home.mkdir()
-    make_cifar_archive(data / "cifar10-jpeg-train.tar.gz", per_class=30)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("VIT_SERVICE_", "MLFLOW_", "RAY_"))}
-    env.update({
-        "VIT_SERVICE_HOME": str(home), "VIT_SERVICE_DATA_DIR": str(data),
-        "VIT_SERVICE_CACHE_DIR": str(tmp_path / "cache"), "VIT_SERVICE_API_KEY": KEY,
-        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
-        "VIT_SERVICE_JOBS_DB_URL": pg_url, "VIT_SERVICE_JOBS_LEASE_S": str(LEASE_S),
-        "VIT_SERVICE_JOBS_POLL_S": "0.2", "VIT_SERVICE_JOBS_CONCURRENCY": "1",
-        "VIT_SERVICE_LEADER_CHECK_S": "0.3", "VIT_SERVICE_MODELS": "{}",
-        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "LOG_LEVEL": "WARNING",
-    })
+    home = tmp_path / "home"
+    env = jobs_env(tmp_path, VIT_SERVICE_JOBS_DB_URL=pg_url,
+                   VIT_SERVICE_JOBS_LEASE_S=str(LEASE_S), VIT_SERVICE_JOBS_CONCURRENCY="1",
+                   VIT_SERVICE_LEADER_CHECK_S="0.3", VIT_SERVICE_MODELS="{}")
     servers = [Server({**env, "VIT_SERVICE_JOBS_HOST_ID": f"host-{n}"}, home) for n in "ab"]
     for s, n in zip(servers, "ab", strict=True):
         s.host_id = f"host-{n}"  # type: ignore[attr-defined]

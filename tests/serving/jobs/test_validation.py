@@ -1,0 +1,34 @@
+"""Job requests name paths only inside the data and home folders, whatever shape the override
+takes (a string, or a list of teacher bundles)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from serving.jobs.model import JobError
+from serving.jobs.validation import resolve_paths
+
+
+def test_each_teacher_bundle_of_an_ensemble_is_resolved_inside_the_roots(tmp_path: Path) -> None:
+    data, home = tmp_path / "data", tmp_path / "home"
+    for d in (data / "t1", home / "runs" / "t2"):
+        d.mkdir(parents=True)
+    out = resolve_paths({"data": {"pseudo_labels": ["t1", str(home / "runs" / "t2")]}},
+                        [data, home])
+    assert out["data"]["pseudo_labels"] == [str(data / "t1"), str(home / "runs" / "t2")]
+    assert resolve_paths({"data.pseudo_labels": "teacher"}, [data, home]) == {
+        "data.pseudo_labels": "teacher"}
+
+
+@pytest.mark.parametrize("value, needle", [
+    (["t1", "/etc"], "data.pseudo_labels[1]"),
+    (["../../x"], "outside the data and home"),
+    (["t1", 3], "must be a path string"),
+    ([], "must be a path string"),
+])
+def test_a_bad_teacher_in_a_list_is_refused(tmp_path: Path, value: list, needle: str) -> None:
+    with pytest.raises(JobError) as e:
+        resolve_paths({"data.pseudo_labels": value}, [tmp_path])
+    assert e.value.status == 422 and needle in str(e.value.detail)
