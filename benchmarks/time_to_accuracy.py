@@ -33,6 +33,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from training.launch import cores
+
 log = logging.getLogger("time_to_accuracy")
 RECIPE = "cifar10-vit-convstem-cpu"
 
@@ -77,7 +79,7 @@ def run(args: argparse.Namespace) -> None:
                    "val_acc": end.get("val_acc"), "steps": end.get("step"),
                    "wall_s": round(wall, 1), "load_before": round(load0, 2),
                    "load_after": round(os.getloadavg()[0], 2), "cpu": _cpu(),
-                   "cores": len(os.sched_getaffinity(0)),
+                   "cores": cores(),
                    "mlflow_run_id": end.get("mlflow_run_id"),
                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
             log.info("-> %s", rec)
