@@ -208,7 +208,8 @@ class Check:
                           "val_loss": result.val_loss, "final": True})  # t: after publishing
         accs = [p["val_acc"] for p in curve if p["val_acc"] is not None]
         tput = steady_throughput(ev)
-        cuda = self.torch.cuda.is_available() and run.device.type == "cuda"
+        # read unconditionally so that the CPU dry run exercises the attribute path too
+        cuda = run.setup.device.type == "cuda" and self.torch.cuda.is_available()
         out: dict[str, Any] = {
             "recipe": run.recipe.name, "status": result.status, "steps": result.step,
             "epochs": round(result.step / max(1, run.setup.steps_per_epoch), 2),

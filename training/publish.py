@@ -101,7 +101,6 @@ def rehearse_publish(out: Outcome, with_mlflow: bool) -> float:
 
 def _rehearse_once(out: Outcome, with_mlflow: bool) -> None:
     from training.reporting import confusion_matrix_plot
-    from vit_service.tracking import save_bundle_model
 
     with tempfile.TemporaryDirectory(prefix="vit-service-rehearsal-") as tmp:
         folder = Path(tmp)
@@ -116,7 +115,9 @@ def _rehearse_once(out: Outcome, with_mlflow: bool) -> None:
                                   folder / "confusion_matrix.png")
             bundle = save_bundle(folder / "bundle", out.model,
                                  _classifier_meta(out, None, None, None), out.task.tokenizer)
-        if with_mlflow:
+        if with_mlflow:  # imported here: a run without MLflow needs no mlflow package
+            from vit_service.tracking import save_bundle_model
+
             save_bundle_model(bundle, out.task.kind, folder / "model")
 
 

@@ -4,13 +4,16 @@ The planner's behaviour is proven on a simulated clock (deterministic, whatever 
 machine runs); one real CLI run on the smoke recipe checks that the trainer feeds it the
 measured costs (the end's cost included) and ends within the plan's own resolution."""
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.training.conftest import QUIET, mlflow_client, progress_events
+from tests.training.conftest import QUIET, REPO, mlflow_client, progress_events
 from training.optim import BudgetPlanner, LrSchedule
 
 BUDGET_S = 24.0
@@ -118,3 +121,35 @@ def test_budget_run_ends_on_time_with_the_lr_at_its_final_value(
     assert 0 < float(p["budget.publish_s"]) < 5.0  # measured, not the 5 s default
     assert "budget_underrun_reason" not in p
     assert m["budget/steps"] == end["step"] and 0 < m["budget/wall_s"] <= BUDGET_S * 1.02
+
+
+SCRIPT_WITHOUT_MLFLOW = """
+import logging, sys
+sys.modules["mlflow"] = None  # as on an accelerator image without the package: import fails
+from pathlib import Path
+from training.recipes import load_recipe
+from training.trainer import prepare_run
+from vit_service.config import Settings
+logging.basicConfig(level=logging.WARNING)
+home = Path(sys.argv[2])
+recipe = load_recipe("cifar10-smoke", {"budget_minutes": 0.1, "attention_samples": 0})
+run = prepare_run(recipe, data_dir=sys.argv[1], register=False, mlflow_enabled=False,
+                  settings=Settings(home=home, cache_dir=home / "cache"))
+result = run.run()
+print("STATUS", result.status, (Path(result.run_dir) / "bundle" / "meta.json").is_file())
+"""
+
+
+@pytest.mark.slow
+def test_a_budget_run_without_mlflow_needs_no_mlflow_package(
+        tmp_path: Path, data_dir: Path) -> None:
+    # The GPU check trains with MLflow off on an image that has no mlflow: the budget's
+    # rehearsal of publishing must not import it (it did, and fell back to a guessed 5 s).
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, **QUIET,
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT_WITHOUT_MLFLOW, str(data_dir),
+                           str(tmp_path / "home")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "STATUS finished True" in proc.stdout
+    assert "could not rehearse" not in proc.stderr, proc.stderr[-3000:]
