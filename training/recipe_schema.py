@@ -83,6 +83,9 @@ class DataSpec(_Strict):
     pseudo_min_confidence: float = Field(
         0.9, ge=0.5, le=1.0, description="the teacher's least top-class probability for a "
         "review to join the train part")
+    pseudo_soft: bool = Field(
+        False, description="with pseudo_labels: the student learns the teachers' mean "
+        "probabilities on those reviews (distillation), not their top class")
 
     @model_validator(mode="after")
     def _check_text_fields(self) -> DataSpec:
@@ -98,6 +101,9 @@ class DataSpec(_Strict):
         if self.pseudo_teachers > 1 and self.pseudo_labels != "teacher":
             raise ValueError("data.pseudo_teachers is how many teachers a run trains: it needs "
                              "data.pseudo_labels: teacher")
+        if self.pseudo_soft and self.pseudo_labels is None:
+            raise ValueError("data.pseudo_soft distils the teachers' probabilities: it needs "
+                             "data.pseudo_labels")
         if isinstance(self.pseudo_labels, list) and not self.pseudo_labels:
             raise ValueError("data.pseudo_labels: give at least one teacher bundle")
         return self

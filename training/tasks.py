@@ -244,6 +244,7 @@ class TextTask(Task):
         self.val_texts = [ds.texts[i] for i in val_idx]
         train_labels = labels[train_idx]
         unsup_texts: list[str] = []
+        soft: np.ndarray | None = None  # (N_unsup, K) the teachers' probabilities (pseudo_soft)
         if d.include_unsup:
             unsup = load_imdb(data_dir, "unsup", cache_dir=cache_dir)
             unsup_texts = list(unsup.texts)
@@ -252,6 +253,7 @@ class TextTask(Task):
                 probs = ensemble_probabilities(d.pseudo_labels, unsup_texts, cache_dir)
                 rows, unsup_labels = confident(probs, d.pseudo_min_confidence)
                 unsup_texts = [unsup_texts[i] for i in rows]
+                soft = probs[rows] if d.pseudo_soft else None
                 log.info("pseudo labels: %d of %d unlabelled reviews at confidence >= %.2f "
                          "(per class %s)", len(rows), len(probs), d.pseudo_min_confidence,
                          np.bincount(unsup_labels, minlength=probs.shape[1]).tolist())
@@ -275,6 +277,13 @@ class TextTask(Task):
         self.train_ids = torch.from_numpy(arrays["train_ids"]).to(self.device)  # (N, L) int32
         self.train_len = torch.from_numpy(arrays["train_len"])  # (N,) on CPU: trims batches
         self.train_y = torch.from_numpy(train_labels).to(self.device)  # -1: unlabelled
+        # pseudo_soft: per-row targets, one-hot on the labelled part, the teachers' mean
+        # probabilities on the pseudo-labelled reviews; None: targets from train_y
+        self.train_soft: Tensor | None = None
+        if soft is not None:
+            n_lab = len(train_labels) - len(soft)
+            one_hot = np.eye(self.num_classes, dtype=np.float32)[train_labels[:n_lab]]
+            self.train_soft = torch.from_numpy(np.concatenate([one_hot, soft])).to(self.device)
         self.val_ids = torch.from_numpy(arrays["val_ids"]).to(self.device)
         self.val_len = torch.from_numpy(arrays["val_len"])
         self.val_y = torch.from_numpy(labels[val_idx]).to(self.device)
@@ -326,8 +335,11 @@ class TextTask(Task):
         if p > 0:
             ids, mask = b.inputs
             b.inputs = (ids, token_dropout(mask, p))
-        b.targets = smooth_one_hot(b.labels, self.num_classes,
-                                   self.recipe.optim.label_smoothing)
+        ls = self.recipe.optim.label_smoothing
+        if self.train_soft is not None:
+            b.targets = self.train_soft[dev_idx] * (1 - ls) + ls / self.num_classes  # (B, K)
+        else:
+            b.targets = smooth_one_hot(b.labels, self.num_classes, ls)
         return b
 
     def mlm_batch(self, b: Batch, generator: torch.Generator | None = None) -> Batch:

@@ -103,6 +103,22 @@ def test_an_ensemble_of_teachers_trained_by_the_run_labels_with_its_mean(
                       DistInfo(), data_dir, settings.cache_dir)
     assert task.train_y[task.n_train - len(rows):].tolist() == labels.tolist()
 
+    # pseudo_soft: the same rows, learnt from the mean probabilities instead of its top class
+    soft = build_task(load_recipe("imdb-smoke", {**QUIET, "data.include_unsup": True,
+                                                 "data.pseudo_labels": [str(t) for t in teachers],
+                                                 "data.pseudo_min_confidence": 0.5,
+                                                 "data.pseudo_soft": True}),
+                      DistInfo(), data_dir, settings.cache_dir)
+    assert soft.train_soft is not None and task.train_soft is None
+    n_lab = soft.n_train - len(rows)
+    assert torch.allclose(soft.train_soft[n_lab:], torch.from_numpy(mean[rows]))
+    labelled = soft.train_soft[:n_lab]
+    assert torch.equal(labelled.argmax(1), soft.train_y[:n_lab]) and bool((labelled.max(1)
+                                                                          .values == 1).all())
+    b = soft.train_batch(0, 0)
+    idx = soft._rank_slice(soft._global_batches(0)[0])
+    assert torch.allclose(b.targets, soft.train_soft[idx])  # no label smoothing in imdb-smoke
+
 
 @pytest.mark.parametrize("overrides, needle", [
     ({"data.include_unsup": True, "data.pseudo_labels": "/x", "data.pseudo_teachers": 2},
@@ -110,6 +126,7 @@ def test_an_ensemble_of_teachers_trained_by_the_run_labels_with_its_mean(
     ({"data.include_unsup": True, "data.pseudo_labels": []}, "at least one"),
     ({"data.pseudo_labels": "/x"}, "needs data.include_unsup"),
     ({"data.include_unsup": True}, "data.pseudo_labels"),
+    ({"data.pseudo_soft": True}, "needs data.pseudo_labels"),
     ({"data.include_unsup": True, "data.pseudo_labels": "/x",
       "data.pseudo_min_confidence": 0.3}, "pseudo_min_confidence"),
 ])
