@@ -282,8 +282,8 @@ class TextTask(Task):
         self.train_soft: Tensor | None = None
         if soft is not None:
             n_lab = len(train_labels) - len(soft)
-            one_hot = np.eye(self.num_classes, dtype=np.float32)[train_labels[:n_lab]]
-            self.train_soft = torch.from_numpy(np.concatenate([one_hot, soft])).to(self.device)
+            one_hot = smooth_one_hot(torch.from_numpy(train_labels[:n_lab]), self.num_classes)
+            self.train_soft = torch.cat([one_hot, torch.from_numpy(soft)]).to(self.device)
         self.val_ids = torch.from_numpy(arrays["val_ids"]).to(self.device)
         self.val_len = torch.from_numpy(arrays["val_len"])
         self.val_y = torch.from_numpy(labels[val_idx]).to(self.device)
