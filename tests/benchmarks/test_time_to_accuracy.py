@@ -13,6 +13,8 @@ def test_plot_and_table_from_results(tmp_path: Path) -> None:
              "wall_s": 60 * b - 5, "load_before": 0.1, "load_after": 2.0, "cpu": "CPU X",
              "cores": 2}
             for b, s, acc, st in ((5, 0, 0.70, 100), (5, 1, 0.72, 110), (10, 0, 0.80, 200))]
+    # history that must stay out of the table and the plot (e.g. a slower machine's run)
+    rows.append({**rows[2], "seed": 1, "val_acc": 0.10, "superseded": "a slower machine"})
     results = tmp_path / "r.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "plot.png"
@@ -23,5 +25,7 @@ def test_plot_and_table_from_results(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = proc.stdout.splitlines()  # the recipe's name, a blank line, then its table
     assert lines[0] == "`r`" and lines[2].startswith("| budget |")
-    assert lines[4].startswith("| 5 min | 2 | 70.00 / 72.00 % | **71.00 %** | 105 |")
-    assert lines[5].startswith("| 10 min | 1 | 80.00 % | **80.00 %** | 200 |")
+    # steps/s over the wall time: 100 / 295 and 110 / 295 -> 0.36; 200 / 595 -> 0.34
+    assert lines[4].startswith("| 5 min | 2 | 70.00 / 72.00 % | **71.00 %** | 105 | 0.4 |")
+    assert lines[5].startswith("| 10 min | 1 | 80.00 % | **80.00 %** | 200 | 0.3 |")
+    assert len(lines) == 6
