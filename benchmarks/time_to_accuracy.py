@@ -163,8 +163,14 @@ def plot(args: argparse.Namespace) -> None:
     if args.log_to_mlflow:
         import mlflow
 
-        mlflow.set_experiment("benchmarks")
-        with mlflow.start_run(run_name="time-to-accuracy"):
+        from vit_service import tracking
+
+        # the project's tracking store and artifact folder (what `vit-service up` and the
+        # MLflow UI show), not MLflow's defaults of a database and ./mlruns in the working
+        # directory
+        tracking.configure()
+        experiment_id = tracking.ensure_experiment("benchmarks")
+        with mlflow.start_run(experiment_id=experiment_id, run_name="time-to-accuracy"):
             mlflow.log_artifact(str(out))
             mlflow.log_text(table, "time_to_accuracy.md")
             for recipe, m in means.items():

@@ -29,3 +29,36 @@ def test_plot_and_table_from_results(tmp_path: Path) -> None:
     assert lines[4].startswith("| 5 min | 2 | 70.00 / 72.00 % | **71.00 %** | 105 | 0.4 |")
     assert lines[5].startswith("| 10 min | 1 | 80.00 % | **80.00 %** | 200 | 0.3 |")
     assert len(lines) == 6
+
+
+def test_plot_logs_to_the_projects_tracking_store(tmp_path: Path) -> None:
+    """``--log-to-mlflow`` writes to the home's store (what the MLflow UI shows), not to a
+    database in the working directory."""
+    import os
+
+    import mlflow
+
+    row = {"recipe": "r", "budget_minutes": 5, "seed": 0, "val_acc": 0.7, "steps": 100,
+           "wall_s": 295, "load_before": 0.1, "load_after": 2.0, "cpu": "CPU X", "cores": 2}
+    results = tmp_path / "r.jsonl"
+    results.write_text(json.dumps(row) + "\n")
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cwd.mkdir()
+    script = Path("benchmarks/time_to_accuracy.py").resolve()
+    env = {**os.environ, "VIT_SERVICE_HOME": str(home), "PYTHONPATH": str(Path.cwd())}
+    env.pop("VIT_SERVICE_TRACKING_URI", None)
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.run([sys.executable, str(script), "plot", "--results", str(results),
+                           "--out", str(tmp_path / "p.png"), "--log-to-mlflow"],
+                          capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert not (cwd / "mlflow.db").exists() and not (cwd / "mlruns").exists()
+    client = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("benchmarks")
+    assert exp is not None
+    (run,) = client.search_runs([exp.experiment_id])
+    assert abs(run.data.metrics["r.val_acc_mean_5min"] - 0.7) < 1e-9
+    # the PNG and the table went to the home's artifact folder
+    assert run.info.artifact_uri.startswith((home / "mlartifacts").resolve().as_uri())
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {
+        "p.png", "time_to_accuracy.md"}
