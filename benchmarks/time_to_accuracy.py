@@ -68,7 +68,9 @@ def run(args: argparse.Namespace) -> None:
     for budget in args.budgets:
         for seed in args.seeds:
             cmd = [sys.executable, "-m", "vit_service.cli", "train", args.recipe,
-                   "--data-dir", args.data_dir, "--run-name", f"tta-{budget:g}m-s{seed}",
+                   "--data-dir", args.data_dir, "--run-name",
+                   # the recipe in the name keeps two recipes' run folders apart
+                   f"tta-{args.recipe}-{budget:g}m-s{seed}",
                    "--set", f"budget_minutes={budget:g}", "--set", f"seed={seed}"]
             if not args.register:
                 cmd.append("--no-register")
