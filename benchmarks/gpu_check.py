@@ -1,6 +1,6 @@
 """The GPU check: one prepared command that measures the GPU recipes on one accelerator.
 
-Phases (each through the real trainer, ``training.trainer.prepare_run(...).run()``, with MLflow
+Phases (each through the real trainer, ``training.run.prepare_run(...).run()``, with MLflow
 off and nothing registered, run folders under ``--home``):
 
 1. CIFAR-10, recipe ``cifar10-vit``: time to 90 % and to 94 % validation accuracy (from the
@@ -175,7 +175,7 @@ class Check:
 
     def train(self, phase: str, recipe: Any) -> tuple[Any, Any, Any, float, float]:
         """``prepare_run(...).run()``; returns (run, result, recorder, t_call, t_done)."""
-        from training.trainer import prepare_run
+        from training.run import prepare_run
 
         rec = Recorder(phase, "img" if recipe.task == "image" else "tok", self.events_file)
         log.info("%s: training %s", phase, recipe.name)

@@ -107,7 +107,7 @@ def cmd_train(args: argparse.Namespace) -> int:
               "torchrun (docs/training.md, DDP): training in this one process",
               file=sys.stderr)
 
-    from training.trainer import train
+    from training.run import train
 
     try:
         result = train(recipe, data_dir=args.data_dir or settings.data_dir,

@@ -9,7 +9,7 @@ A job with ``nprocs > 1`` on the Ray executor runs this module as its Ray job's 
 The driver builds a ``TorchTrainer`` (Ray Train v2) with ``ScalingConfig(num_workers=N)``; Ray
 places the N workers where the cluster has room (``--placement``), starts the process group
 (Gloo on the CPU, NCCL on GPUs) and sets torchrun's variables (``RANK``, ``WORLD_SIZE``...),
-so each worker runs the same :func:`training.trainer.train` as a ``torchrun`` rank: the same
+so each worker runs the same :func:`training.run.train` as a ``torchrun`` rank: the same
 validated recipe, rank 0 logs to MLflow, checkpoints and registers.
 
 **Checkpoints go through Ray's storage.** Every checkpoint the trainer writes (each
@@ -142,7 +142,7 @@ def _worker_loop(config: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from training.recipes import load_recipe
-    from training.trainer import train
+    from training.run import train
     from vit_service.config import get_settings
 
     ctx = ray.train.get_context()

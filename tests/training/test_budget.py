@@ -131,7 +131,7 @@ import logging, sys
 sys.modules["mlflow"] = None  # as on an accelerator image without the package: import fails
 from pathlib import Path
 from training.recipes import load_recipe
-from training.trainer import prepare_run
+from training.run import prepare_run
 from vit_service.config import Settings
 logging.basicConfig(level=logging.WARNING)
 home = Path(sys.argv[2])

@@ -53,7 +53,7 @@ def test_changes_are_conflicts(ckpt_recipe: dict[str, Any]) -> None:
 def cli(tmp_path: Path, ckpt_recipe: dict[str, Any], monkeypatch: pytest.MonkeyPatch):
     """``cli(args) -> (rc, stderr, train kwargs or None)`` with a checkpoint of run ``r1`` in a
     private home and the trainer replaced by a stub (no training)."""
-    import training.trainer
+    import training.run
     from vit_service.cli import main
 
     home = tmp_path / "home"
@@ -69,7 +69,7 @@ def cli(tmp_path: Path, ckpt_recipe: dict[str, Any], monkeypatch: pytest.MonkeyP
         calls.append(kw)
         return Result()
 
-    monkeypatch.setattr(training.trainer, "train", fake_train)
+    monkeypatch.setattr(training.run, "train", fake_train)
 
     def run(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, dict | None]:
         capsys.readouterr()

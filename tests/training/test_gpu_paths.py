@@ -25,9 +25,9 @@ from training.model_setup import build_task_model
 from training.optim import build_optimizer
 from training.progress import Progress
 from training.recipes import load_recipe
+from training.run import prepare_run, train
 from training.step import train_step
 from training.tasks import build_task
-from training.trainer import prepare_run, train
 from vit_service.config import Settings
 from vit_service.hardware import has_cxx_compiler
 

@@ -15,7 +15,7 @@ from examples.own_data import image_subset, star_table
 from tests.training.conftest import make_cifar_archive, make_imdb_archive, mlflow_client
 from training.progress import Progress
 from training.recipes import load_recipe
-from training.trainer import prepare_run, train
+from training.run import prepare_run, train
 from vit_service.config import Settings
 from vit_service.data.datasets import DatasetStore
 

@@ -17,7 +17,7 @@ from serving.compiled import trace_forwards
 from training.evaluate import evaluate_batches
 from training.progress import Progress
 from training.recipes import load_recipe
-from training.trainer import prepare_run
+from training.run import prepare_run
 from vit_service import hardware
 from vit_service.bundle import load_bundle
 from vit_service.config import Settings

@@ -27,7 +27,7 @@ from training.checkpoint import load_checkpoint
 from training.init import InitError, Lineage
 from training.optim import CosineWarmup, layer_id, param_groups
 from training.recipes import RecipeError, load_recipe
-from training.trainer import prepare_run, train
+from training.run import prepare_run, train
 from vit_service.config import Settings
 from vit_service.models import build_model, create_model
 from vit_service.models.mae import MAE, MAEConfig

@@ -14,8 +14,8 @@ from training.distributed import DistInfo
 from training.progress import Progress
 from training.pseudo_labels import confident, ensemble_probabilities, teacher_probabilities
 from training.recipes import RecipeError, load_recipe
+from training.run import train
 from training.tasks import build_task
-from training.trainer import train
 from vit_service.config import Settings
 from vit_service.data import load_imdb
 

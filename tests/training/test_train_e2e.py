@@ -16,8 +16,8 @@ import torch
 from tests.training.conftest import QUIET, REPO, mlflow_client, progress_events, run_artifacts
 from training.checkpoint import LAST, load_checkpoint
 from training.recipes import load_recipe
+from training.run import train
 from training.signals import EXIT_SIGTERM
-from training.trainer import train
 from vit_service.config import Settings
 from vit_service.hardware import cpu_has_native_bf16, cpu_model
 
