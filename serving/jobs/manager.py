@@ -2,19 +2,18 @@
 :class:`~serving.jobs.executor.Executor` (local processes or a Ray cluster), follows its
 JSON-lines progress, cancels it, and recovers after a server restart.
 
-The manager owns the queue, the checks, the store, the leases of host-bound attempts and the
-progress; the executor starts, watches and stops attempts (see :mod:`serving.jobs.executor`).
+The manager owns the queue, the checks, the store and the progress; the executor starts,
+watches and stops attempts (see :mod:`serving.jobs.executor`); :mod:`serving.jobs.leases`
+keeps this host's leases and settles attempts whose exit status nobody can know.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import socket
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from serving.jobs import validation
@@ -29,29 +28,17 @@ from serving.jobs.executor import (
     Running,
     Vanished,
 )
+from serving.jobs.leases import Leases, host_id
 from serving.jobs.local import LocalExecutor
 from serving.jobs.metrics import read_series
 from serving.jobs.model import Job, JobError, JobState
-from serving.jobs.progress import last_event, read_progress, tail_lines
+from serving.jobs.progress import read_progress, tail_lines
 from serving.jobs.store import JobStore, utcnow
-from training.progress import Event, RunStatus
 from vit_service.config import DEFAULT_PRINCIPAL, Settings
 
 log = logging.getLogger(__name__)
 
-# an `end` event with one of these says the run succeeded (the last: a job runner's own word)
-SUCCESS_STATUSES = (RunStatus.finished, RunStatus.stopped, JobState.succeeded)
 CAPACITY_TTL_S = 1.0  # an executor's resource reading is reused this long (a Ray head's lags)
-
-
-def _host_id() -> str:
-    """This machine in the job store: its hostname and boot id (a rebooted host is another
-    host: none of its earlier processes survived)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
-    except OSError:
-        boot = "0"
-    return f"{socket.gethostname()}/{boot}"
 
 
 class JobManager:
@@ -67,12 +54,11 @@ class JobManager:
         self.store = store or JobStore(settings.resolved_jobs_db_url)
         self.validate = validate
         self.runs_root = (settings.home / "runs").resolve()
-        self.host = settings.jobs_host_id or _host_id()
+        self.host = settings.jobs_host_id or host_id()
         self._offsets: dict[str, int] = {}  # how far each followed job's log was read
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._renewed = -math.inf  # monotonic time of the last lease renewal
         # a check of the queued caps and the insert it allows, one submit at a time (in this
         # process; two API processes may still overshoot a cap by a job or so)
         self._submit_lock = threading.Lock()
@@ -80,6 +66,8 @@ class JobManager:
         # the last reading: when, what, whether the executor answered
         self._capacity_read: tuple[float, Capacity | None, bool] = (-math.inf, None, True)
         self._capacity_lock = threading.Lock()  # one reading at a time
+        self.leases = Leases(self.store, self.executor, self.host, settings.jobs_lease_s,
+                             self._get)
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -110,15 +98,15 @@ class JobManager:
             return
         for job in self.store.list(JobState.running, limit=10_000):
             if job.host not in (None, self.host):  # another API host's job
-                self._settle_if_expired(job)
+                self.leases.settle_if_expired(job)
                 continue
             if self.executor.adopt(job):
                 self._offsets[job.id] = 0
                 continue
             # it may have finished while the server was down: take its progress from the log
             read_progress(self.store, job.id, 0)
-            self._settle_from_log(self._get(job.id),
-                                  "the job's process was gone when the API server restarted")
+            self.leases.settle_from_log(
+                self._get(job.id), "the job's process was gone when the API server restarted")
 
     # --- API operations -------------------------------------------------------------------------
     def submit(self, recipe: str, overrides: dict[str, Any], name: str = "",
@@ -220,7 +208,7 @@ class JobManager:
                 for job_id in self.executor.following(self._running()):
                     self._follow(job_id)
                 if self.executor.host_bound:
-                    self._renew_leases()
+                    self.leases.renew()
                 queue = self._queue()
                 if queue:
                     running = self._running()
@@ -361,7 +349,7 @@ class JobManager:
                 self.store.update(job_id, **fields)
             case Vanished(why=why):
                 self._offsets.pop(job_id, None)
-                self._settle_from_log(self._get(job_id), why)
+                self.leases.settle_from_log(self._get(job_id), why)
             case Ended(state=state, reason=reason, exit_code=code, fields=fields):
                 self._offsets.pop(job_id, None)
                 if self.executor.host_bound and job.host not in (None, self.host):
@@ -370,47 +358,6 @@ class JobManager:
                                          exit_code=code, finished_at=utcnow(), reason=reason,
                                          pid=None) is not None:
                     log.info("job %s %s (exit %s)", job_id, state.value, code)
-
-    # --- leases of host-bound attempts ------------------------------------------------------------
-    def _renew_leases(self) -> None:
-        """Every third of a lease: renew this host's, settle other hosts' expired ones."""
-        if time.monotonic() - self._renewed < self.settings.jobs_lease_s / 3:
-            return
-        self._renewed = time.monotonic()
-        running = self._running()
-        mine = self.executor.following(running)
-        self.store.heartbeat(mine, self.host)
-        for job in running:
-            if job.host not in (None, self.host) and job.id not in mine:
-                self._settle_if_expired(job)
-
-    def _settle_if_expired(self, job: Job) -> None:
-        """Another host's running job: left alone while that host renews its lease (its
-        process is not ours to check: pids mean nothing across hosts); settled from its log
-        once the lease has expired (the host died, or lost the database)."""
-        beat = job.heartbeat_at or job.started_at
-        if beat is not None and (utcnow() - beat).total_seconds() < self.settings.jobs_lease_s:
-            return
-        if job.executor not in (None, self.executor.name):
-            return  # another executor's job (a Ray job): it follows it itself
-        read_progress(self.store, job.id, 0)
-        self._settle_from_log(self._get(job.id), f"its API host {job.host} stopped renewing "
-                                                 "its lease")
-
-    def _settle_from_log(self, job: Job, why: str) -> None:
-        """Settle a job whose exit status we cannot know, from what its log says."""
-        end = last_event(job.log_path, Event.end)
-        if job.reason == CANCEL_REQUESTED:
-            state, reason = JobState.cancelled, "cancelled"
-        elif end is not None and end.get("status") in SUCCESS_STATUSES:
-            state, reason = JobState.succeeded, None
-        else:
-            state = JobState.failed
-            reason = f"{why}; exit status unknown. Resume it from its last checkpoint with " \
-                     f"POST /v1/jobs/{job.id}/resume"
-        if self.store.transition(job.id, {JobState.running}, state=state, finished_at=utcnow(),
-                                 reason=reason, pid=None) is not None:
-            log.info("job %s settled as %s: %s", job.id, state.value, reason)
 
     # --- helpers --------------------------------------------------------------------------------
     def _get(self, job_id: str) -> Job:

@@ -305,7 +305,7 @@ def test_two_hosts_on_one_database_leave_each_others_live_jobs_alone(tmp_path: P
     signal_group(a.executor.procs[job.id].pid, signal.SIGKILL)  # host A goes down
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and b.get(job.id).state == JobState.running:
-        b._renewed = float("-inf")  # check now rather than in a third of a lease
+        b.leases.renewed = float("-inf")  # check now rather than in a third of a lease
         b.tick()
         time.sleep(0.2)
     done = b.get(job.id)
