@@ -3,8 +3,9 @@ and what a poll of an attempt answers.
 
 Two executors: local processes (:mod:`serving.jobs.local`) and a Ray cluster
 (:mod:`serving.jobs.ray_jobs`). The manager owns everything else (the queue, the checks, the
-store, leases, progress); an executor starts, watches and stops attempts, and never decides a
-job's state on its own: a poll says what it saw, the manager records it.
+store, progress; leases through :mod:`serving.jobs.leases`); an executor starts, watches and
+stops attempts, and never decides a job's state on its own: a poll says what it saw, the
+manager records it.
 """
 
 from __future__ import annotations
