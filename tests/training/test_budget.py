@@ -111,8 +111,9 @@ def test_budget_run_ends_on_time_with_the_lr_at_its_final_value(
     assert float(p["recipe.budget_minutes"]) == pytest.approx(BUDGET_S / 60)
     assert float(p["budget.measured_steps_per_s"]) > 0
     assert int(p["budget.first_planned_steps"]) > 0
-    # the end's cost was rehearsed, not the guessed default (PUBLISH_RESERVE_S)
-    assert float(p["budget.publish_s"]) != pytest.approx(PUBLISH_RESERVE_S)
+    # the end's cost was rehearsed (tenths of a second), not the guessed default
+    assert 0 < float(p["budget.publish_s"]) < PUBLISH_RESERVE_S
+    assert "budget_underrun_reason" not in p
     # Timing in the run's own accounts, so that a loaded machine cannot fail it: training
     # stops when what was kept for the end (``reserve_s``) is left, then the end takes what it
     # takes (``end_s``). The run's wall time is therefore the budget less what was kept plus
