@@ -53,6 +53,12 @@ def token_dropout(mask: Tensor, p: float, generator: torch.Generator | None = No
     return mask & ~drop
 
 
+def smooth(targets: Tensor, smoothing: float) -> Tensor:
+    """Label smoothing of soft targets ``(B, K)``: ``(1 - s) * p + s/K`` (a one-hot row gives
+    what :func:`smooth_one_hot` gives)."""
+    return targets * (1.0 - smoothing) + smoothing / targets.shape[-1]
+
+
 def smooth_one_hot(y: Tensor, num_classes: int, smoothing: float = 0.0) -> Tensor:
     """Hard labels ``(B,)`` -> soft targets ``(B, K)``: ``1 - s + s/K`` on the label, ``s/K``
     elsewhere."""

@@ -10,6 +10,7 @@ from training.augment import (
     normalize,
     random_crop,
     random_hflip,
+    smooth,
     smooth_one_hot,
 )
 
@@ -60,6 +61,14 @@ def test_smooth_one_hot() -> None:
     t = smooth_one_hot(torch.tensor([2, 0]), 4, 0.2)
     assert t.sum(-1).allclose(torch.ones(2))
     assert t[0, 2].item() == pytest.approx(0.85) and t[0, 0].item() == pytest.approx(0.05)
+
+
+def test_smoothing_soft_targets_keeps_rows_summing_to_one_and_matches_one_hot() -> None:
+    p = torch.tensor([[0.7, 0.3], [0.0, 1.0]])
+    s = smooth(p, 0.1)
+    assert s.sum(-1).allclose(torch.ones(2))
+    assert s[0].tolist() == pytest.approx([0.7 * 0.9 + 0.05, 0.3 * 0.9 + 0.05])
+    assert torch.allclose(s[1], smooth_one_hot(torch.tensor([1]), 2, 0.1)[0])
 
 
 def _batch(b: int = 8) -> torch.Tensor:

@@ -19,8 +19,12 @@ def imported_modules(module: str) -> set[str]:
     """Every module ``module`` imports anywhere in its source (``from a import b`` gives ``a``
     and ``a.b``, since ``b`` may be a submodule)."""
     path = REPO / (module.replace(".", "/") + ".py")
+    package = REPO / module.replace(".", "/")
+    paths = [path] if path.is_file() else sorted(package.glob("*.py"))  # a package: all of it
+    assert paths, f"no source for {module}"
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    nodes = [n for p in paths for n in ast.walk(ast.parse(p.read_text(), str(p)))]
+    for node in nodes:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

@@ -198,7 +198,7 @@ def test_an_encoder_that_does_not_fit_is_a_clear_error(mae_run: dict, tmp_path: 
 def test_mlm_pretrain_on_train_and_unsup_then_finetune_with_its_tokenizer(
     env: dict, data_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import training.tasks as tasks
+    import training.tasks.text as tasks  # where the text task reads IMDb
 
     splits: list[str] = []
     real = tasks.load_imdb
