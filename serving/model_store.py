@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -349,7 +349,7 @@ class ModelStore:
         loaded = LoadedModel(
             name=name, source=source, bundle=bundle, resolved=resolved,
             run_url=self._run_url(resolved.run_id),
-            loaded_at=datetime.now(timezone.utc), load_seconds=time.perf_counter() - start,
+            loaded_at=datetime.now(UTC), load_seconds=time.perf_counter() - start,
             forwards=forwards,
         )
         reason = probe_relevance(loaded)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from datetime import datetime
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
-class AttentionKind(str, Enum):
+class AttentionKind(StrEnum):
     """Which attention maps a prediction returns (all from the prediction's own forward pass).
 
     ``none``: no maps (fused fast attention path). ``rollout`` and ``layers``: the rollout map
@@ -88,7 +88,7 @@ class Faithfulness(BaseModel):
         description="the map with the lowest deletion AUC, or `random` if none beats chance")
 
 
-class AttentionEncoding(str, Enum):
+class AttentionEncoding(StrEnum):
     """How the attention arrays (``rollout``, ``layers``, ``heads``, ``relevance``) are written.
 
     ``json``: nested lists of floats. ``f16-base64``: each array is one

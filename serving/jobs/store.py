@@ -10,7 +10,7 @@ import fcntl
 import json
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from serving.jobs.model import Job, JobState
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 _metadata = MetaData()
@@ -89,7 +89,7 @@ def _job(row: Row) -> Job:
         answers in its session's time zone."""
         if d is None:
             return None
-        return d.replace(tzinfo=timezone.utc) if d.tzinfo is None else d.astimezone(timezone.utc)
+        return d.replace(tzinfo=UTC) if d.tzinfo is None else d.astimezone(UTC)
 
     values = dict(row._mapping)
     for k in ("created_at", "started_at", "finished_at", "heartbeat_at"):

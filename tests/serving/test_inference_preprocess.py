@@ -1,7 +1,7 @@
 """What the served model does by default is what training evaluated: head+tail truncation of
 texts and a mean-pooling model's attention maps read the mean token row."""
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import torch
 
@@ -24,7 +24,7 @@ def _loaded(truncation: str, pool: str = "mean") -> LoadedModel:
                       class_names=["negative", "positive"],
                       preprocess={"max_len": 12, "truncation": truncation})
     return LoadedModel("m", "test", ModelBundle(net, meta, tok), Resolved("x"), None,
-                       datetime.now(timezone.utc), 0.0)
+                       datetime.now(UTC), 0.0)
 
 
 def test_served_text_is_truncated_as_the_model_was_trained() -> None:

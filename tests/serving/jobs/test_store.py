@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -69,7 +69,7 @@ def test_an_older_table_gets_the_new_columns(db_url: str) -> None:
         Column("pid_start", String(32)), Column("run_dir", Text), Column("resume", Integer),
         Column("attempts", Integer), Column("mlflow_run_id", String(64)),
         Column("progress", JSON))
-    created = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    created = datetime(2026, 1, 1, tzinfo=UTC)
     engine = create_engine(db_url)
     old_table.metadata.create_all(engine)
     with engine.begin() as conn:
@@ -99,7 +99,7 @@ def test_a_bare_timestamp_heartbeat_from_an_earlier_release_is_made_zone_aware(
     stored values in that zone: the instant written before comes back."""
     JobStore(db_url).engine.dispose()  # today's table
     engine = create_engine(db_url)
-    beat = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
+    beat = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
     with engine.begin() as conn:
         if engine.dialect.name == "postgresql":
             conn.execute(text("ALTER TABLE jobs ALTER COLUMN heartbeat_at TYPE TIMESTAMP "
