@@ -16,4 +16,3 @@ def test_a_misspelt_option_is_an_error_before_anything_runs(entry) -> None:
                                         "data.pseudo_labels": "teacher"})
     with pytest.raises(TypeError, match="unknown run options: registr"):
         entry(recipe, registr=False)
-
