@@ -9,7 +9,9 @@ With ``data.pseudo_labels: teacher`` the run trains that teacher itself first (t
 on the labelled part alone, an MLflow run of its own, not registered), so self-training is one
 command and one job; with ``data.pseudo_teachers: N`` it trains N teachers (seeds ``seed``,
 ``seed + 1``, ...) and their averaged probabilities label the reviews: an ensemble is right more
-often than any of its members, so more of the labels it is sure of are right. Validation
+often than any of its members, so more of the labels it is sure of are right. With
+``data.pseudo_labels: ngram`` the teacher is a naive-Bayes n-gram logistic regression fitted on
+the labelled part in seconds (``training/ngram_teacher.py``). Validation
 never sees the pseudo labels: the teacher was trained on the same train part with the same
 held-out rows (the recipe's split), and the unlabelled reviews are not in the validation set.
 """
@@ -31,6 +33,7 @@ from vit_service.tta import predict
 log = logging.getLogger(__name__)
 
 TEACHER = "teacher"  # data.pseudo_labels: train the teacher first, in the same run
+NGRAM = "ngram"  # data.pseudo_labels: fit an n-gram teacher first (training/ngram_teacher.py)
 
 
 def teacher_recipe(recipe: Recipe, k: int = 0) -> Recipe:

@@ -76,7 +76,8 @@ class DataSpec(_Strict):
     pseudo_labels: str | list[str] | None = Field(
         None, description="imdb + classify + include_unsup: a teacher text bundle (folder), or "
         "several (their probabilities averaged), whose confident predictions label the "
-        "unlabelled reviews (self-training); 'teacher': the run trains its teachers first")
+        "unlabelled reviews (self-training); 'teacher': the run trains its teachers first; "
+        "'ngram': a naive-Bayes n-gram logistic regression fitted on the labelled part")
     pseudo_teachers: int = Field(
         1, ge=1, le=5, description="with pseudo_labels 'teacher': how many teachers the run "
         "trains (seeds seed, seed+1, ...); their mean labels the reviews, more of them right")

@@ -232,4 +232,4 @@ def run_params(s: RunSetup, total_steps: int) -> dict[str, Any]:
             "model.n_trainable": count_parameters(model), "train.device": str(s.device),
             "train.precision": s.execution.precision,
             "train.attention": "fused" if s.execution.fused_attention else "explicit",
-            **machine_params()}
+            **s.task.data_params(), **machine_params()}

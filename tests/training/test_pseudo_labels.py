@@ -11,13 +11,15 @@ import pytest
 import torch
 
 from training.distributed import DistInfo
+from training.ngram_teacher import NgramTeacher
 from training.progress import Progress
 from training.pseudo_labels import confident, ensemble_probabilities, teacher_probabilities
 from training.recipes import RecipeError, load_recipe
 from training.run import train
 from training.tasks import build_task
+from training.tasks.base import val_count
 from vit_service.config import Settings
-from vit_service.data import load_imdb
+from vit_service.data import load_imdb, split_indices
 
 QUIET = {"attention_samples": 0, "device": "cpu"}
 
@@ -120,10 +122,45 @@ def test_an_ensemble_of_teachers_trained_by_the_run_labels_with_its_mean(
     assert torch.allclose(b.targets, soft.train_soft[idx])  # no label smoothing in imdb-smoke
 
 
+def test_an_ngram_teacher_fitted_by_the_run_labels_the_reviews(
+        env: dict[str, str], data_dir: Path) -> None:
+    """``data.pseudo_labels: ngram``: the task fits NB-LR on its labelled train part alone (not
+    the validation rows), its confident labels join the train part, and the run reports the
+    teacher's validation accuracy among its params."""
+    settings = Settings()
+    plain = build_task(load_recipe("imdb-smoke", QUIET), DistInfo(), data_dir,
+                       settings.cache_dir)
+    recipe = load_recipe("imdb-smoke", {**QUIET, "data.include_unsup": True,
+                                        "data.pseudo_labels": "ngram",
+                                        "data.pseudo_min_confidence": 0.5})
+    task = build_task(recipe, DistInfo(), data_dir, settings.cache_dir)
+    ds = load_imdb(data_dir, "train", cache_dir=settings.cache_dir)
+    labels_all = np.asarray(ds.labels)
+    d = recipe.data
+    train_idx, _ = split_indices(labels_all, val_count(recipe, len(ds)), d.split_seed, d.subset)
+    train_texts, train_labels = [ds.texts[i] for i in train_idx], labels_all[train_idx]
+    assert len(train_texts) == plain.n_train and not set(train_texts) & set(plain.val_texts)
+    unsup = list(load_imdb(data_dir, "unsup", cache_dir=settings.cache_dir).texts)
+    same = NgramTeacher(train_texts, train_labels, 2)
+    rows, labels = confident(same.probabilities(unsup), 0.5)
+    assert task.n_train == plain.n_train + len(rows)
+    assert task.train_y[plain.n_train:].tolist() == labels.tolist()
+    acc = task.data_params()["data.pseudo_teacher_val_acc"]
+    assert acc == round(same.accuracy(plain.val_texts, plain.val_y.numpy()), 6) and acc > 0.9
+    assert plain.data_params() == {}
+    res = train(recipe, settings=settings, register=False, mlflow_enabled=False,
+                run_name="ngram", progress=Progress(json_lines=True, stream=io.StringIO()))
+    assert res.status == "finished"
+    ckpt = torch.load(res.checkpoint, weights_only=True)
+    assert ckpt["recipe"]["data"]["pseudo_labels"] == "ngram"  # a resume refits the same
+
+
 @pytest.mark.parametrize("overrides, needle", [
     ({"data.include_unsup": True, "data.pseudo_labels": "/x", "data.pseudo_teachers": 2},
      "pseudo_teachers"),
     ({"data.include_unsup": True, "data.pseudo_labels": []}, "at least one"),
+    ({"data.include_unsup": True, "data.pseudo_labels": "ngram", "data.pseudo_teachers": 3},
+     "pseudo_teachers"),
     ({"data.pseudo_labels": "/x"}, "needs data.include_unsup"),
     ({"data.include_unsup": True}, "data.pseudo_labels"),
     ({"data.pseudo_soft": True}, "needs data.pseudo_labels"),

@@ -90,6 +90,10 @@ class Task:
     def model_fields(self) -> dict[str, Any]:
         return {}
 
+    def data_params(self) -> dict[str, Any]:
+        """MLflow params the data preparation measured (a teacher's accuracy, say)."""
+        return {}
+
     def val_fingerprint(self) -> str:
         """sha256 of the validation split's inputs and labels: two runs' validation scores are
         comparable (the champion check) only when their fingerprints match."""

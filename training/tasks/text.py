@@ -15,7 +15,8 @@ from torch import Tensor
 
 from training.augment import smooth, smooth_one_hot, token_dropout
 from training.distributed import DistInfo
-from training.pseudo_labels import confident, ensemble_probabilities
+from training.ngram_teacher import NgramTeacher
+from training.pseudo_labels import NGRAM, confident, ensemble_probabilities
 from training.recipes import Recipe
 from training.tasks.base import Batch, Task, store, uploaded, val_count
 from vit_service.data import TextDataset, load_imdb, split_indices
@@ -51,12 +52,21 @@ class TextTask(Task):
         train_labels = labels[train_idx]
         unsup_texts: list[str] = []
         soft: np.ndarray | None = None  # (N_unsup, K) the teachers' probabilities (pseudo_soft)
+        self._data_params: dict[str, Any] = {}
         if d.include_unsup:
             unsup = load_imdb(data_dir, "unsup", cache_dir=cache_dir)
             unsup_texts = list(unsup.texts)
             unsup_labels = np.full(len(unsup), -1, np.int64)
             if d.pseudo_labels is not None:  # self-training: the teacher's confident labels
-                probs = ensemble_probabilities(d.pseudo_labels, unsup_texts, cache_dir)
+                if d.pseudo_labels == NGRAM:  # fitted here, on the labelled train part only
+                    teacher = NgramTeacher([ds.texts[i] for i in train_idx], train_labels,
+                                           len(self.class_names))
+                    probs = teacher.probabilities(unsup_texts)
+                    acc = teacher.accuracy(self.val_texts, labels[val_idx])
+                    log.info("pseudo labels: the n-gram teacher's val_acc %.4f", acc)
+                    self._data_params["data.pseudo_teacher_val_acc"] = round(acc, 6)
+                else:
+                    probs = ensemble_probabilities(d.pseudo_labels, unsup_texts, cache_dir)
                 rows, unsup_labels = confident(probs, d.pseudo_min_confidence)
                 unsup_texts = [unsup_texts[i] for i in rows]
                 soft = probs[rows] if d.pseudo_soft else None
@@ -105,6 +115,9 @@ class TextTask(Task):
     def model_fields(self) -> dict[str, Any]:
         return {"vocab_size": self._tokenizer.vocab_size, "max_len": self.max_len,
                 "pad_id": self._tokenizer.pad_id}
+
+    def data_params(self) -> dict[str, Any]:
+        return dict(self._data_params)
 
     def _plan_epoch_batches(self, epoch: int) -> Tensor:
         batches = super()._plan_epoch_batches(epoch)  # (steps, G)

@@ -18,8 +18,9 @@ def test_each_teacher_bundle_of_an_ensemble_is_resolved_inside_the_roots(tmp_pat
     out = resolve_paths({"data": {"pseudo_labels": ["t1", str(home / "runs" / "t2")]}},
                         [data, home])
     assert out["data"]["pseudo_labels"] == [str(data / "t1"), str(home / "runs" / "t2")]
-    assert resolve_paths({"data.pseudo_labels": "teacher"}, [data, home]) == {
-        "data.pseudo_labels": "teacher"}
+    for fitted_by_the_run in ("teacher", "ngram"):
+        assert resolve_paths({"data.pseudo_labels": fitted_by_the_run}, [data, home]) == {
+            "data.pseudo_labels": fitted_by_the_run}
 
 
 @pytest.mark.parametrize("value, needle", [
