@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from training.recipes import RecipeError
+
 log = logging.getLogger(__name__)
 
 # words with inner apostrophes ("didn't") and the two punctuation marks that carry sentiment
@@ -39,9 +41,18 @@ class NgramTeacher:
 
         t0 = time.perf_counter()
         self.num_classes = num_classes
+        missing = sorted(set(range(num_classes)) - set(np.asarray(labels).tolist()))
+        if missing:
+            raise RecipeError(f"data.pseudo_labels: ngram: the labelled train part has no "
+                             f"example of class(es) {missing}; use more rows (data.subset)")
         self.vectorizer = CountVectorizer(ngram_range=NGRAMS, binary=True,
                                           token_pattern=TOKEN_PATTERN, min_df=MIN_DF)
-        x = self.vectorizer.fit_transform(texts)  # (N, V) sparse 0/1
+        try:
+            x = self.vectorizer.fit_transform(texts)  # (N, V) sparse 0/1
+        except ValueError as e:  # no word in at least MIN_DF texts
+            raise RecipeError(f"data.pseudo_labels: ngram: the labelled train part has no word "
+                             f"in {MIN_DF} or more texts to learn from; use more rows "
+                             f"(data.subset)") from e
         # one binary problem for two classes (class 1 against 0), else one per class
         self.positives = [1] if num_classes == 2 else list(range(num_classes))
         self.scales, self.models = [], []

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from training.ngram_teacher import NgramTeacher
+from training.recipes import RecipeError
 
 WORDS = {0: "awful boring dull", 1: "great superb moving", 2: "odd strange weird"}
 FILLER = "the film plot actor scene story was and it of".split()
@@ -39,3 +41,13 @@ def test_more_than_two_classes_one_vs_rest() -> None:
     p = teacher.probabilities(held)
     assert p.shape == (150, 3) and np.allclose(p.sum(1), 1, atol=1e-5)
     assert teacher.accuracy(held, held_labels) >= 0.9
+
+
+@pytest.mark.parametrize("texts, labels, needle", [
+    (["great film", "great plot", "awful film"], [1, 1, 1], "no example of class"),
+    (["one", "two", "three"], [0, 1, 0], "no word in 2 or more"),
+])
+def test_too_little_data_is_a_clear_error(texts: list[str], labels: list[int],
+                                          needle: str) -> None:
+    with pytest.raises(RecipeError, match=needle):  # the CLI's clean error, not a traceback
+        NgramTeacher(texts, np.array(labels), num_classes=2)
