@@ -32,8 +32,6 @@ from vit_service.tta import predict
 
 log = logging.getLogger(__name__)
 
-TEACHER = "teacher"  # data.pseudo_labels: train the teacher first, in the same run
-NGRAM = "ngram"  # data.pseudo_labels: fit an n-gram teacher first (training/ngram_teacher.py)
 
 
 def teacher_recipe(recipe: Recipe, k: int = 0) -> Recipe:

@@ -43,6 +43,9 @@ BUILTIN_DATASETS = ("cifar10", "imagefolder", "imdb")
 DATASET_ID = r"^[0-9a-f]{16}$"  # an uploaded data set (POST /v1/datasets)
 REGISTERED_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # an MLflow model name, no path
 RESERVED_NAMES = ("cifar10-vit", "imdb-sentiment", "cifar10-mae", "imdb-mlm")
+# data.pseudo_labels values that are not a bundle path: teachers the run itself fits first
+TEACHER = "teacher"  # this recipe on the labelled part (training/pseudo_labels.py)
+NGRAM = "ngram"  # NB-LR on the labelled part (training/ngram_teacher.py)
 
 
 class DataSpec(Strict):
@@ -96,7 +99,7 @@ class DataSpec(Strict):
         if self.pseudo_labels is not None and not self.include_unsup:
             raise ValueError("data.pseudo_labels labels the unlabelled reviews: it needs "
                              "data.include_unsup")
-        if self.pseudo_teachers > 1 and self.pseudo_labels != "teacher":
+        if self.pseudo_teachers > 1 and self.pseudo_labels != TEACHER:
             raise ValueError("data.pseudo_teachers is how many teachers a run trains: it needs "
                              "data.pseudo_labels: teacher")
         if self.pseudo_soft and self.pseudo_labels is None:

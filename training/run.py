@@ -13,7 +13,8 @@ from typing import Any, TypedDict, Unpack
 from training import checkpoint as ckpt_io
 from training.distributed import cleanup, init_distributed
 from training.progress import Progress
-from training.pseudo_labels import TEACHER, teacher_recipe, with_teacher
+from training.pseudo_labels import teacher_recipe, with_teacher
+from training.recipe_parts import TEACHER
 from training.recipes import Recipe, apply_overrides, validate_recipe
 from training.setup import build_run, default_run_name
 from training.trainer import CheckpointHook, Trainer, TrainResult

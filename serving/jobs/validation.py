@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.jobs.model import JobError
+from training.recipe_parts import NGRAM, TEACHER
 from vit_service.config import Settings
 
 PATH_KEY_SUFFIXES = ("dir", "file", "path", "root", "uri")
@@ -62,7 +63,7 @@ def _resolve(key: str, k: str, value: Any, roots: list[Path]) -> str:
                             "relative to the data folder")
     if k == "init.from" and (value.startswith(NOT_A_PATH) or RUN_ID.match(value)):
         return value
-    if k == "data.pseudo_labels" and value in ("teacher", "ngram"):  # fitted by the run itself
+    if k == "data.pseudo_labels" and value in (TEACHER, NGRAM):  # fitted by the run itself
         return value
     if "://" in value:
         raise JobError(422, f"override {key!r}: URLs are not accepted here")

@@ -16,7 +16,8 @@ from torch import Tensor
 from training.augment import smooth, smooth_one_hot, token_dropout
 from training.distributed import DistInfo
 from training.ngram_teacher import NgramTeacher
-from training.pseudo_labels import NGRAM, confident, ensemble_probabilities
+from training.pseudo_labels import confident, ensemble_probabilities
+from training.recipe_parts import NGRAM
 from training.recipes import Recipe
 from training.tasks.base import Batch, Task, store, uploaded, val_count
 from vit_service.data import TextDataset, load_imdb, split_indices
