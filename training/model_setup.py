@@ -10,7 +10,7 @@ from torch import nn
 
 from training.init import encoder_of
 from training.recipes import Recipe
-from training.tasks import ImageTask, Task
+from training.tasks import ImageTask, Task, TextTask
 from vit_service.models import ModelConfig, build_model, get_config
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,8 @@ def build_task_model(recipe: Recipe, task: Task) -> nn.Module:
 
 
 def structured_init(model: nn.Module, recipe: Recipe, task: Task) -> None:
-    """``init.whiten_patches`` / ``init.mimetic`` on a model trained from scratch."""
+    """``init.whiten_patches`` / ``init.mimetic`` on a model trained from scratch, and a
+    text model's n-gram head fitted (NB-LR) before the Transformer trains."""
     from vit_service.models.initializers import mimetic_init_, whiten_patch_embed_
 
     spec, enc = recipe.init, encoder_of(model)
@@ -57,3 +58,7 @@ def structured_init(model: nn.Module, recipe: Recipe, task: Task) -> None:
     if spec.whiten_patches:
         assert isinstance(task, ImageTask)  # validated: a ViT on images
         whiten_patch_embed_(enc, task.sample_train_images(WHITEN_IMAGES).cpu())
+    head = getattr(model, "ngram_head", None)
+    if head is not None:
+        assert isinstance(task, TextTask)  # only the text model has one
+        task.fit_ngram_head(head)

@@ -1,9 +1,11 @@
-"""The n-gram teacher (NB-LR) of ``data.pseudo_labels: ngram``."""
+"""NB-LR: the n-gram teacher of ``data.pseudo_labels: ngram`` and a text model's fitted
+n-gram head."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from training.ngram_teacher import NgramTeacher
 from training.recipes import RecipeError
@@ -51,3 +53,66 @@ def test_too_little_data_is_a_clear_error(texts: list[str], labels: list[int],
                                           needle: str) -> None:
     with pytest.raises(RecipeError, match=needle):  # the CLI's clean error, not a traceback
         NgramTeacher(texts, np.array(labels), num_classes=2)
+
+
+def _token_rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """Rows of ids (N, 24) as a task stores them ([CLS] first, padded with 0): filler ids
+    5..99, two sentiment ids (200..202 negative, 300..302 positive), random lengths."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 2, n)
+    ids = np.zeros((n, 24), np.int32)
+    lengths = rng.integers(8, 25, n)
+    for i, (k, L) in enumerate(zip(labels, lengths, strict=True)):
+        row = list(rng.integers(5, 100, L - 3)) + list(rng.integers(0, 3, 2) + (300 if k else 200))
+        ids[i, 0], ids[i, 1:L] = 2, rng.permutation(row)
+    return torch.from_numpy(ids), torch.from_numpy(lengths), labels
+
+
+def test_the_fitted_head_is_nblr_on_its_own_features() -> None:
+    from sklearn.linear_model import LogisticRegression
+
+    from training.ngram_teacher import ALPHA, MIN_DF, C, fit_ngram_head
+    from vit_service.models import create_model
+    from vit_service.models.text import pair_buckets
+
+    ids, lengths, labels = _token_rows(400, seed=0)
+    held, held_len, held_labels = _token_rows(200, seed=1)
+    model = create_model("text_test", pool="mean", ngram_head_buckets=97)
+    head = model.ngram_head
+    assert fit_ngram_head(head, ids, lengths, labels) > 0
+    with torch.no_grad():
+        mask = torch.arange(24)[None, :] < held_len[:, None]
+        p_head = torch.softmax(head(held.long(), mask), 1)[:, 1].numpy()
+    assert ((p_head > 0.5) == held_labels).mean() >= 0.95
+
+    # the same model built independently: python sets of features, sklearn on dense arrays
+    V, F = 1000, 1000 + 97
+
+    def bag(rows: torch.Tensor, lens: torch.Tensor) -> np.ndarray:
+        x = np.zeros((len(rows), F), np.float32)
+        for i, (r, L) in enumerate(zip(rows.tolist(), lens.tolist(), strict=True)):
+            r = r[:L]
+            pairs = [V + int(pair_buckets(torch.tensor(a), torch.tensor(b), 97))
+                     for a, b in zip(r[:-1], r[1:], strict=True)]
+            x[i, list(set(r) | set(pairs))] = 1
+        return x
+
+    x, xh = bag(ids, lengths), bag(held, held_len)
+    used = x.sum(0) >= MIN_DF
+    x, xh = x[:, used], xh[:, used]
+    p = x[labels == 1].sum(0) + ALPHA
+    q = x[labels == 0].sum(0) + ALPHA
+    r = np.log((p / p.sum()) / (q / q.sum()))
+    clf = LogisticRegression(C=C, solver="liblinear", max_iter=1000, random_state=0)
+    expected = clf.fit(x * r, labels).predict_proba(xh * r)[:, 1]
+    np.testing.assert_allclose(p_head, expected, atol=1e-4)
+
+
+def test_a_head_with_nothing_to_learn_from_is_a_clear_error() -> None:
+    from training.ngram_teacher import fit_ngram_head
+    from vit_service.models import create_model
+
+    head = create_model("text_test", ngram_head_buckets=97).ngram_head
+    ids = torch.tensor([[2, 10, 11], [2, 12, 13]])  # [CLS] is the only shared token
+    with pytest.raises(RecipeError, match="no example of class"):
+        fit_ngram_head(head, ids, torch.tensor([3, 3]), np.array([1, 1]))

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from training.augment import smooth, smooth_one_hot, token_dropout
 from training.distributed import DistInfo
-from training.ngram_teacher import NgramTeacher
+from training.ngram_teacher import NgramTeacher, fit_ngram_head
 from training.pseudo_labels import confident, ensemble_probabilities
 from training.recipe_parts import NGRAM
 from training.recipes import Recipe
@@ -24,6 +24,7 @@ from vit_service.data import TextDataset, load_imdb, split_indices
 from vit_service.data.datasets import DatasetStore, TextTable
 from vit_service.data.tokenized import tokenize_splits, tokenized_cache_dir
 from vit_service.data.tokenizer import TextTokenizer
+from vit_service.models.text import NgramHead
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class TextTask(Task):
                                            d.subset)
         self.val_texts = [ds.texts[i] for i in val_idx]
         train_labels = labels[train_idx]
+        self.n_labelled = len(train_idx)  # the train part's first rows; pseudo-labelled after
         unsup_texts: list[str] = []
         soft: np.ndarray | None = None  # (N_unsup, K) the teachers' probabilities (pseudo_soft)
         self._data_params: dict[str, Any] = {}
@@ -119,6 +121,19 @@ class TextTask(Task):
 
     def data_params(self) -> dict[str, Any]:
         return dict(self._data_params)
+
+    def fit_ngram_head(self, head: NgramHead) -> None:
+        """NB-LR on the labelled train part's tokens (never the pseudo-labelled reviews nor
+        validation); its validation accuracy alone becomes an MLflow param."""
+        n = self.n_labelled
+        fit_ngram_head(head, self.train_ids[:n], self.train_len[:n],
+                       self.train_y[:n].cpu().numpy())
+        with torch.no_grad():
+            right = sum(int((head(*b.inputs).argmax(1) == b.labels).sum())
+                        for b in self.val_batches(1024, all_ranks=True))
+        acc = right / max(1, self.n_val)
+        log.info("n-gram head alone: val_acc %.4f", acc)
+        self._data_params["model.ngram_head_val_acc"] = round(acc, 6)
 
     def _plan_epoch_batches(self, epoch: int) -> Tensor:
         batches = super()._plan_epoch_batches(epoch)  # (steps, G)

@@ -3,6 +3,11 @@
 Token embedding (with a padding index) -> positional encoding -> pre-norm blocks with a
 key-padding mask -> final norm -> pooling (the ``[CLS]`` token or a masked mean) -> head.
 Padding never influences real tokens: appending padding leaves the logits unchanged (tested).
+
+With ``ngram_head_buckets`` the logits also get a linear term over the text's distinct tokens
+and hashed token pairs (:class:`NgramHead`): a bag-of-n-grams model inside the same module,
+fitted by the training run before the Transformer trains (``training/ngram_teacher.py``),
+never updated by the optimiser, and added to the logits in eval mode (validation, serving).
 """
 
 from __future__ import annotations
@@ -41,6 +46,51 @@ class TextConfig:
     # pair (fastText-style bigrams; what makes linear models strong on IMDb); 0: off
     bigram_dim: int = 0  # width of the bigram table, projected to D; 0: D, no projection
     # (a narrow table holds more buckets, i.e. fewer hash collisions, for the same cost)
+    ngram_head_buckets: int = 0  # >0: add NgramHead's logits (eval mode), a linear term over
+    # the distinct tokens and (this many) hashed pair buckets fitted apart; 0: the Transformer
+
+
+PAIR_MUL = (2_654_435_761, 40_503)  # multiplicative hash of a (previous, current) token pair
+
+
+def pair_buckets(prev: Tensor, cur: Tensor, buckets: int) -> Tensor:
+    """Bucket of each (previous, current) id pair; int64 products stay < 2^63 for ids < 2^31."""
+    return (prev.long() * PAIR_MUL[0] + cur.long() * PAIR_MUL[1]).remainder(buckets)
+
+
+class NgramHead(nn.Module):
+    """A linear model of the binary bag of uni+bigrams: ``logits (B, K)`` = the sum of the
+    weights of the distinct tokens and token pairs present, plus a bias. ``weight`` rows
+    ``0..V-1`` are the tokens, ``V..V+buckets-1`` the hashed pairs. The weights are buffers
+    (saved with the model, never updated by the optimiser): they are set by
+    ``training.ngram_teacher.fit_ngram_head`` (NB-LR)."""
+
+    def __init__(self, vocab_size: int, buckets: int, num_classes: int) -> None:
+        super().__init__()
+        self.vocab_size, self.buckets = vocab_size, buckets
+        self.register_buffer("weight", torch.zeros(vocab_size + buckets, num_classes))
+        self.register_buffer("bias", torch.zeros(num_classes))
+
+    @property
+    def num_features(self) -> int:
+        return self.vocab_size + self.buckets
+
+    def features(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """``(B, 2T)`` feature ids of each row's tokens and pairs of real tokens, each once
+        (sorted); -1 fills the rest (padding, masked-out tokens, repeats)."""
+        ids = input_ids.long()
+        prev_ok = F.pad(attention_mask[:, :-1], (1, 0), value=False) & attention_mask  # (B, T)
+        pairs = self.vocab_size + pair_buckets(F.pad(ids[:, :-1], (1, 0)), ids, self.buckets)
+        f = torch.cat([ids.masked_fill(~attention_mask, -1),
+                       pairs.masked_fill(~prev_ok, -1)], 1)  # (B, 2T)
+        f = f.sort(1).values
+        repeat = F.pad(f[:, 1:] == f[:, :-1], (1, 0), value=False)  # (B, 2T)
+        return f.masked_fill(repeat, -1)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        f = self.features(input_ids, attention_mask)  # (B, 2T)
+        w = self.weight[f.clamp_min(0)] * (f >= 0).unsqueeze(-1).to(self.weight.dtype)  # (B, 2T, K)
+        return w.sum(1) + self.bias  # (B, K)
 
 
 class TextTransformer(nn.Module):
@@ -66,6 +116,8 @@ class TextTransformer(nn.Module):
         self.norm = nn.LayerNorm(c.embed_dim, eps=LN_EPS)
         self.head_drop = nn.Dropout(c.drop_rate)
         self.head = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes else nn.Identity()
+        self.ngram_head = (NgramHead(c.vocab_size, c.ngram_head_buckets, c.num_classes)
+                           if c.ngram_head_buckets > 0 and c.num_classes else None)
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -89,12 +141,14 @@ class TextTransformer(nn.Module):
         """``(B, T)`` token ids -> ``(B, T)`` bucket of each (previous, current) pair; position 0
         pairs with ``[PAD]``. A multiplicative hash spreads the pairs over the buckets."""
         prev = F.pad(input_ids[:, :-1], (1, 0), value=self.config.pad_id)  # (B, T)
-        pair = prev.long() * 2_654_435_761 + input_ids.long() * 40_503  # < 2^63 for ids < 2^31
-        return pair.remainder(self.config.bigram_buckets)  # (B, T)
+        return pair_buckets(prev, input_ids, self.config.bigram_buckets)  # (B, T)
 
     def reset_classifier(self, num_classes: int) -> None:
-        self.config.num_classes = num_classes
-        self.head = nn.Linear(self.config.embed_dim, num_classes) if num_classes else nn.Identity()
+        c = self.config
+        c.num_classes = num_classes
+        self.head = nn.Linear(c.embed_dim, num_classes) if num_classes else nn.Identity()
+        self.ngram_head = (NgramHead(c.vocab_size, c.ngram_head_buckets, num_classes)
+                           if c.ngram_head_buckets > 0 and num_classes else None)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         T = input_ids.shape[1]
@@ -140,11 +194,22 @@ class TextTransformer(nn.Module):
         pooled = self.head_drop(pooled)
         return pooled if pre_logits else self.head(pooled)
 
+    def _logits(self, feats: Tensor, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """The Transformer's logits, plus the n-gram head's in eval mode. Training leaves the
+        head out: fitted on the same labelled texts, it would explain them away (train
+        accuracy ~99 % from the first step) and the Transformer learn little from them, so the
+        two are trained apart and their logits summed when evaluated and served (a product
+        of the two models' probabilities)."""
+        logits = self.forward_head(feats, attention_mask)  # (B, K)
+        if self.ngram_head is not None and not self.training:
+            logits = logits + self.ngram_head(input_ids, attention_mask)
+        return logits
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         if attention_mask is None:
             attention_mask = input_ids != self.config.pad_id
         feats, _ = self.forward_features(input_ids, attention_mask)
-        return self.forward_head(feats, attention_mask)
+        return self._logits(feats, input_ids, attention_mask)
 
     def attention_graph(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, track: bool = True
@@ -157,7 +222,7 @@ class TextTransformer(nn.Module):
         feats, attns = self.forward_features(input_ids, attention_mask, need_weights=True,
                                              leaf_tokens=track)
         assert attns is not None
-        return self.forward_head(feats, attention_mask), attns
+        return self._logits(feats, input_ids, attention_mask), attns
 
     def forward_with_attention(
         self, input_ids: Tensor, attention_mask: Tensor | None = None

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from vit_service.models import create_model
+from vit_service.models.text import pair_buckets
 
 
 @pytest.mark.parametrize("pool", ["cls", "mean"])
@@ -93,3 +94,73 @@ def test_bigrams_see_word_order_and_keep_padding_invariance() -> None:
                                    atol=1e-5, rtol=0)
         padded = torch.cat([ids, torch.zeros(1, 7, dtype=torch.long)], dim=1)
         torch.testing.assert_close(m(padded), m(ids), atol=1e-5, rtol=0)
+
+
+def _with_ngram_head(buckets: int = 97) -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = create_model("text_test", pool="mean", ngram_head_buckets=buckets).eval()
+    with torch.no_grad():  # zero until a run fits it: give every feature a weight
+        m.ngram_head.weight.normal_(0.0, 1.0)
+        m.ngram_head.bias.normal_(0.0, 1.0)
+    return m
+
+
+def test_ngram_head_adds_the_weights_of_each_distinct_token_and_pair_once() -> None:
+    m = _with_ngram_head()
+    head, V = m.ngram_head, m.config.vocab_size
+    ids = torch.tensor([[2, 10, 11, 10, 11, 12, 0, 0]])  # (10, 11) twice, then padding
+    mask = ids != 0
+    feats = {2, 10, 11, 12} | {V + int(pair_buckets(torch.tensor(a), torch.tensor(b), 97))
+                               for a, b in [(2, 10), (10, 11), (11, 10), (11, 12)]}
+    expected = head.weight[sorted(feats)].sum(0) + head.bias
+    with torch.no_grad():
+        torch.testing.assert_close(head(ids, mask)[0], expected)
+        got = head.features(ids, mask)[0]
+        assert sorted(got[got >= 0].tolist()) == sorted(feats)
+        # the model's logits are the Transformer's plus the head's
+        plain = create_model("text_test", pool="mean")
+        plain.load_state_dict({k: v for k, v in m.state_dict().items()
+                               if not k.startswith("ngram_head.")})
+        torch.testing.assert_close(m(ids), plain.eval()(ids) + head(ids, mask))
+
+
+def test_ngram_head_keeps_padding_invariance_and_drops_masked_tokens() -> None:
+    m = _with_ngram_head()
+    ids = torch.tensor([[2, 10, 11, 12, 13]])
+    with torch.no_grad():
+        padded = torch.cat([ids, torch.zeros(1, 7, dtype=torch.long)], dim=1)
+        torch.testing.assert_close(m(padded), m(ids), atol=1e-5, rtol=0)
+        # a token masked out (as faithfulness curves delete them) leaves the head's sum too,
+        # with its two pairs; the pair across the gap is not a pair
+        mask = torch.tensor([[True, True, False, True, True]])
+        short = torch.tensor([[2, 10, 12, 13]])
+        h = m.ngram_head
+        gap = m.config.vocab_size + int(pair_buckets(torch.tensor(10), torch.tensor(12), 97))
+        expected = h(short, torch.ones_like(short, dtype=torch.bool)) - h.weight[gap]
+        torch.testing.assert_close(h(ids, mask), expected)
+
+
+def test_a_zero_ngram_head_is_the_transformer_alone_and_a_new_classifier_resets_it() -> None:
+    torch.manual_seed(0)
+    m = create_model("text_test", pool="mean", ngram_head_buckets=97).eval()
+    ids = torch.randint(5, 1000, (2, 20))
+    with torch.no_grad():
+        before = m(ids)
+        m.ngram_head = None
+        torch.testing.assert_close(before, m(ids), atol=0, rtol=0)
+    m.reset_classifier(5)
+    assert m.ngram_head.weight.shape == (1000 + 97, 5) and not m.ngram_head.weight.any()
+    assert not any(p is m.ngram_head.weight for p in m.parameters())  # never trained by SGD
+
+
+def test_the_ngram_head_counts_in_eval_mode_only() -> None:
+    m = _with_ngram_head()
+    m.config.drop_rate = 0.0
+    for mod in m.modules():
+        if isinstance(mod, torch.nn.Dropout):
+            mod.p = 0.0
+    ids = torch.randint(5, 1000, (2, 20))
+    with torch.no_grad():
+        served = m(ids)
+        trained = m.train()(ids)
+        torch.testing.assert_close(served, trained + m.ngram_head(ids, ids != 0))
