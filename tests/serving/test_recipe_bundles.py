@@ -181,3 +181,34 @@ def test_two_workers_explain_a_conv_stem_model(bundles: dict[str, Path], tmp_pat
             _check_explained(h.json()["results"][0])
     finally:
         server.stop()
+
+
+def test_a_shipped_ngram_head_is_fitted_saved_and_in_the_served_logits(
+        bundles: dict[str, Path], served: TestClient) -> None:
+    """``imdb-selftrain-cpu``'s n-gram head: fitted by the run (non-zero weights in the bundle)
+    and part of what the server answers (its probabilities are the eval-mode model's, head
+    included, not the Transformer's alone)."""
+    import torch
+
+    from vit_service.bundle import load_bundle
+
+    with_head = {n: b for n, b in bundles.items() if load_recipe(n).model.overrides.get(
+        "ngram_head_buckets")}
+    assert with_head, "no shipped recipe has an n-gram head"
+    text = "a moving film, but far too long and slow"
+    for name, path in with_head.items():
+        b = load_bundle(path)
+        assert b.model.ngram_head is not None and b.model.ngram_head.weight.any()
+        enc = b.tokenizer.encode_batch([text], b.meta.preprocess["max_len"],
+                                       b.meta.preprocess["truncation"])
+        with torch.no_grad():
+            logits = b.model(enc.input_ids, enc.attention_mask)
+            alone = 2 * logits - b.model.ngram_head(enc.input_ids, enc.attention_mask)
+        r = served.post("/v1/predict/text", json={"model": name, "text": text})
+        assert r.status_code == 200, r.text
+        got = {p["index"]: p["probability"] for p in r.json()["results"][0]["predictions"]}
+        want = torch.softmax(logits, 1)[0].numpy()
+        assert len(got) == len(want)
+        np.testing.assert_allclose([got[i] for i in range(len(want))], want, atol=2e-2)
+        assert not np.allclose(torch.softmax(alone, 1)[0].numpy(),
+                               torch.softmax(logits, 1)[0].numpy(), atol=1e-3)

@@ -4,10 +4,10 @@ Token embedding (with a padding index) -> positional encoding -> pre-norm blocks
 key-padding mask -> final norm -> pooling (the ``[CLS]`` token or a masked mean) -> head.
 Padding never influences real tokens: appending padding leaves the logits unchanged (tested).
 
-With ``ngram_head_buckets`` the logits also get a linear term over the text's distinct tokens
-and hashed token pairs (:class:`NgramHead`): a bag-of-n-grams model inside the same module,
-fitted by the training run before the Transformer trains (``training/ngram_teacher.py``),
-never updated by the optimiser, and added to the logits in eval mode (validation, serving).
+With ``ngram_head_buckets`` the module also holds :class:`NgramHead`, a linear model of the
+text's distinct tokens and hashed token pairs, fitted by the training run before the
+Transformer trains (``training/ngram_teacher.py``) and never updated by the optimiser; in eval
+mode (validation, serving) the logits are the mean of the Transformer's and the head's.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class TextConfig:
     # pair (fastText-style bigrams; what makes linear models strong on IMDb); 0: off
     bigram_dim: int = 0  # width of the bigram table, projected to D; 0: D, no projection
     # (a narrow table holds more buckets, i.e. fewer hash collisions, for the same cost)
-    ngram_head_buckets: int = 0  # >0: add NgramHead's logits (eval mode), a linear term over
-    # the distinct tokens and (this many) hashed pair buckets fitted apart; 0: the Transformer
+    ngram_head_buckets: int = 0  # >0: average (in eval mode) the logits with NgramHead's, a
+    # linear model of the distinct tokens and (this many) hashed pair buckets fitted apart
 
 
 PAIR_MUL = (2_654_435_761, 40_503)  # multiplicative hash of a (previous, current) token pair
@@ -195,14 +195,15 @@ class TextTransformer(nn.Module):
         return pooled if pre_logits else self.head(pooled)
 
     def _logits(self, feats: Tensor, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """The Transformer's logits, plus the n-gram head's in eval mode. Training leaves the
-        head out: fitted on the same labelled texts, it would explain them away (train
-        accuracy ~99 % from the first step) and the Transformer learn little from them, so the
-        two are trained apart and their logits summed when evaluated and served (a product
-        of the two models' probabilities)."""
+        """The Transformer's logits; in eval mode with an n-gram head, the mean of its logits
+        and the head's (the normalised geometric mean of the two models' probabilities: the
+        same argmax as their sum, better calibrated). Training leaves the head out: fitted on
+        the same labelled texts, it would explain them away (train accuracy ~99 % from the
+        first step) and the Transformer learn little from them, so the two are trained apart
+        and pooled when evaluated and served."""
         logits = self.forward_head(feats, attention_mask)  # (B, K)
         if self.ngram_head is not None and not self.training:
-            logits = logits + self.ngram_head(input_ids, attention_mask)
+            logits = (logits + self.ngram_head(input_ids, attention_mask)) / 2
         return logits
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:

@@ -117,11 +117,11 @@ def test_ngram_head_adds_the_weights_of_each_distinct_token_and_pair_once() -> N
         torch.testing.assert_close(head(ids, mask)[0], expected)
         got = head.features(ids, mask)[0]
         assert sorted(got[got >= 0].tolist()) == sorted(feats)
-        # the model's logits are the Transformer's plus the head's
+        # the served logits are the mean of the Transformer's and the head's
         plain = create_model("text_test", pool="mean")
         plain.load_state_dict({k: v for k, v in m.state_dict().items()
                                if not k.startswith("ngram_head.")})
-        torch.testing.assert_close(m(ids), plain.eval()(ids) + head(ids, mask))
+        torch.testing.assert_close(m(ids), (plain.eval()(ids) + head(ids, mask)) / 2)
 
 
 def test_ngram_head_keeps_padding_invariance_and_drops_masked_tokens() -> None:
@@ -163,4 +163,4 @@ def test_the_ngram_head_counts_in_eval_mode_only() -> None:
     with torch.no_grad():
         served = m(ids)
         trained = m.train()(ids)
-        torch.testing.assert_close(served, trained + m.ngram_head(ids, ids != 0))
+        torch.testing.assert_close(served, (trained + m.ngram_head(ids, ids != 0)) / 2)
