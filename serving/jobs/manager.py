@@ -10,14 +10,12 @@ keeps this host's leases and settles attempts whose exit status nobody can know.
 from __future__ import annotations
 
 import logging
-import math
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from serving.jobs import validation
-from serving.jobs.admission import Capacity, Plan, Resources, add, owner_of, plan
+from serving.jobs.admission import Plan, owner_of, plan
 from serving.jobs.executor import (
     CANCEL_REQUESTED,
     Ended,
@@ -33,13 +31,11 @@ from serving.jobs.local import LocalExecutor
 from serving.jobs.metrics import read_series
 from serving.jobs.model import Job, JobError, JobState
 from serving.jobs.progress import read_progress, tail_lines
+from serving.jobs.resources import ResourceView
 from serving.jobs.store import JobStore, utcnow
 from vit_service.config import DEFAULT_PRINCIPAL, Settings
 
 log = logging.getLogger(__name__)
-
-CAPACITY_TTL_S = 1.0  # an executor's resource reading is reused this long (a Ray head's lags)
-
 
 class JobManager:
     def __init__(
@@ -62,10 +58,7 @@ class JobManager:
         # a check of the queued caps and the insert it allows, one submit at a time (in this
         # process; two API processes may still overshoot a cap by a job or so)
         self._submit_lock = threading.Lock()
-        self._needs: dict[str, Resources] = {}  # job id -> what it holds running (admission)
-        # the last reading: when, what, whether the executor answered
-        self._capacity_read: tuple[float, Capacity | None, bool] = (-math.inf, None, True)
-        self._capacity_lock = threading.Lock()  # one reading at a time
+        self.resources = ResourceView(self.executor)  # capacity and needs, for admission
         self.leases = Leases(self.store, self.executor, self.host, settings.jobs_lease_s,
                              self._get)
 
@@ -246,70 +239,17 @@ class JobManager:
         executor has free less what the running jobs hold. ``strict``: an executor that does
         not answer ends the pass (:class:`ExecutorUnavailable`); else (answering a request)
         resources are left out of the reasons."""
-        capacity = self._capacity(strict) if self.settings.jobs_admit_by_resources else None
-        if capacity is not None:
-            capacity = capacity.held(add(self._need(j) for j in self._holding(running)))
-        live = {j.id for j in queue} | {j.id for j in running}
-        for job_id in list(self._needs):  # a copy: requests' threads add to it meanwhile
-            if job_id not in live:
-                self._needs.pop(job_id, None)
+        capacity = None
+        if self.settings.jobs_admit_by_resources:
+            live = {j.id for j in queue} | {j.id for j in running}
+            capacity = self.resources.free(self._holding(running), live, strict)
         return plan(queue, running, busy=busy, slots=self.executor.concurrency,
                     executor=self.executor.name, settings=self.settings, capacity=capacity,
-                    needs=self._need, shape=self.executor.placement)
-
-    def _capacity(self, strict: bool) -> Capacity | None:
-        """The executor's reading of its resources (a request to a Ray head), reused for
-        CAPACITY_TTL_S. Not ``strict`` (a request being answered): never waits on another
-        thread's reading (the last one is used meanwhile), and a failed reading is remembered
-        as unknown for as long, so a head that hangs delays one request, not every one."""
-        at, cap, answered = self._capacity_read
-        if time.monotonic() - at < CAPACITY_TTL_S and (answered or not strict):
-            return cap
-        if not self._capacity_lock.acquire(blocking=strict):
-            return cap
-        try:
-            cap = self.executor.capacity()
-        except ExecutorUnavailable:
-            self._capacity_read = (time.monotonic(), None, False)
-            if strict:
-                raise
-            return None
-        finally:
-            self._capacity_lock.release()
-        self._capacity_read = (time.monotonic(), cap, True)
-        return cap
-
-    def _need(self, job: Job) -> Resources:
-        """What ``job`` holds while it runs (:meth:`Executor.needs`), read once per job. A
-        recipe that no longer loads holds nothing here (its attempt fails on its own)."""
-        need = self._needs.get(job.id)
-        if need is None:
-            try:
-                need = self.executor.needs(job)
-            except Exception as e:  # noqa: BLE001 (any recipe error: admission goes on)
-                log.warning("job %s: its needs are unknown (%s: %s); admitted by slots alone",
-                            job.id, type(e).__name__, e)
-                need = {}
-            # a local, then setdefault: another thread may prune the cache between the two
-            need = self._needs.setdefault(job.id, need)
-        return need
+                    needs=self.resources.need, shape=self.executor.placement)
 
     def _check_fits(self, draft: Job) -> None:
-        """422 for a job larger than all this executor has (it could never start), where
-        that cannot grow (a cluster's autoscaler may add nodes: there it waits)."""
-        if not self.settings.jobs_admit_by_resources:
-            return
-        capacity = self._capacity(strict=False)
-        if capacity is None or capacity.elastic:
-            return
-        try:
-            need = self.executor.needs(draft)
-        except Exception:  # noqa: BLE001 (validated already; a stand-in recipe in tests)
-            return
-        if (too_big := capacity.too_big(need, self.executor.placement(draft))) is not None:
-            raise JobError(422, f"this job needs {too_big}: it could never start here "
-                                "(VIT_SERVICE_JOBS_CPUS / VIT_SERVICE_JOBS_GPUS); ask for "
-                                "fewer processes, threads or another device")
+        if self.settings.jobs_admit_by_resources:
+            self.resources.check_fits(draft)
 
     def _launch(self, job: Job) -> None:
         lease = {"host": self.host, "heartbeat_at": utcnow()} if self.executor.host_bound else {}

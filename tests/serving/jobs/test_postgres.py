@@ -141,6 +141,32 @@ def _job(server: Server, job_id: str) -> dict:
     return r.json()
 
 
+def _wait_done(server: Server, job_id: str, store: JobStore, timeout: float) -> None:
+    """Wait for ``job_id`` to succeed; a job that ends otherwise, or is still not done at the
+    deadline, fails the test at once with its state, reason, host and the end of its log (a
+    bare timeout said nothing of why)."""
+    deadline = time.monotonic() + timeout
+    state = "unknown"
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            state = _job(server, job_id)["state"]
+            if state == "succeeded":
+                print(f"\njob {job_id} succeeded {timeout - (deadline - time.monotonic()):.1f} s "
+                      "into the wait")
+                return
+            if state in ("failed", "cancelled"):
+                break
+        time.sleep(0.5)
+    job = store.get(job_id)
+    tail = job.log_path.read_text()[-3000:] if job is not None and job.log_path.exists() else ""
+    servers = "".join(f"\n--- {p.name} ends:\n{p.read_text()[-1500:]}"
+                      for p in sorted(server.home.glob("server-*.log")))
+    raise AssertionError(
+        f"job {job_id} is {state} after {timeout - max(0.0, deadline - time.monotonic()):.0f} s "
+        f"(host {job.host if job else None}, attempts {job.attempts if job else None}, "
+        f"reason {job.reason if job else None!r}); its log ends:\n{tail}{servers}")
+
+
 def _launches(job: Job) -> list[str]:
     """The launch lines of the job's log: one per attempt started."""
     return [ln for ln in job.log_path.read_text().splitlines() if ln.startswith("# ")]
@@ -200,9 +226,7 @@ def test_two_api_hosts_on_one_database(postgres: PostgresServer, pg_url: str,
         long_id = submit(servers[0], LONG)
         queued = submit(servers[1], SHORT)
         for job_id in short:
-            _wait(f"job {job_id} to succeed",
-                  lambda j=job_id: _job(follower, j)["state"] == "succeeded", timeout=180,
-                  every=0.5)
+            _wait_done(follower, job_id, store, timeout=180)
             job = store.get(job_id)
             assert job is not None and job.attempts == 1 and len(_launches(job)) == 1
             assert job.host == leader.host_id  # type: ignore[attr-defined]
@@ -237,8 +261,7 @@ def test_two_api_hosts_on_one_database(postgres: PostgresServer, pg_url: str,
               f"was settled {time.monotonic() - killed:.1f} s after it (lease {LEASE_S} s)")
 
         # what was queued runs on the survivor, once; the settled job resumes there
-        _wait("the queued job to succeed",
-              lambda: _job(follower, queued)["state"] == "succeeded", timeout=180, every=0.5)
+        _wait_done(follower, queued, store, timeout=180)
         done = store.get(queued)
         assert done is not None and done.attempts == 1 and len(_launches(done)) == 1
         assert done.host == follower.host_id  # type: ignore[attr-defined]
