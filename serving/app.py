@@ -133,8 +133,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
     async def step_down() -> None:
         """The hold was lost (another process may lead already): stop what only the leader
-        runs, so that two schedulers never run on for long. Running jobs go on; this process
-        re-adopts them if it leads again, or the new leader settles them once their lease has
+        runs (launching, settling other hosts' jobs, the registry poll), so that two schedulers
+        never run on for long. The jobs this process started go on: it follows them to their
+        end and renews their leases (a lost lock must not fail healthy jobs), and re-adopts
+        them if it leads again; were it to die, the leader settles them once their lease has
         expired."""
         nonlocal leading
         for task in poll:
@@ -144,7 +146,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         poll.clear()
         if leading:
             leading = False
-            await asyncio.to_thread(job_manager.stop)
+            await asyncio.to_thread(job_manager.step_down)
         await asyncio.to_thread(leadership.release)
 
     async def keep_leading() -> None:
@@ -154,9 +156,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             if leadership.is_leader:
                 while await asyncio.to_thread(leadership.check):
                     await asyncio.sleep(settings.leader_check_s)
-                log.warning("process %d no longer leads %s: its job scheduler and registry "
-                            "poll are stopped", os.getpid(), leadership.where)
                 await step_down()
+                log.warning("process %d no longer leads %s: it launches no job and polls no "
+                            "registry (the jobs it started are followed to their end)",
+                            os.getpid(), leadership.where)
             while not await asyncio.to_thread(leadership.try_acquire):
                 await asyncio.sleep(settings.leader_check_s)
             try:
@@ -200,8 +203,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await st.service.close()
-        if leading or leadership.is_leader:
-            await asyncio.to_thread(job_manager.stop)  # running jobs go on; re-adopted
+        # (also after a step-down: the thread may still follow this host's attempts)
+        await asyncio.to_thread(job_manager.stop)  # running jobs go on; re-adopted
         leadership.release()
         if not poll_with_jobs:
             home_lead.release()

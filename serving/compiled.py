@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vit_service.data.tokenized import padding_mask
 from vit_service.execution import Execution, Precision
 from vit_service.pipeline import Forwards
 from vit_service.tta import Predict, PredictWithAttention, predict, predict_with_attention
@@ -103,7 +104,7 @@ def _examples(model: nn.Module, task: str, meta_preprocess: dict[str, Any]
     for b, t in ((3, min(7, max_len)), (5, min(12, max_len))):
         ids = torch.randint(5, cfg.vocab_size, (b, t), generator=g)
         lengths = torch.tensor([t, max(1, t - 3), 1, t, 2][:b])
-        mask = torch.arange(t)[None, :] < lengths[:, None]  # (B, T) True = real token
+        mask = padding_mask(lengths, t)  # (B, T) True = real token
         out.append((ids.masked_fill(~mask, cfg.pad_id), mask))
     return out
 

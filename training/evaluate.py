@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vit_service.data.tokenized import length_sorted_batches
 from vit_service.execution import Execution, Precision, resolve_execution
 from vit_service.tta import predict
 
@@ -165,15 +166,10 @@ def evaluate_bundle(
         ids, lengths = b.tokenizer.encode_to_arrays([tds.texts[i] for i in rows],
                                                     int(p["max_len"]),
                                                     truncation=p.get("truncation", "head"))
-        order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
 
         def batches() -> Iterable[_B]:
-            for s in range(0, len(order), batch_size):
-                o = order[s : s + batch_size]
-                T = int(lengths[o].max())
-                x = torch.from_numpy(ids[o, :T]).long().to(dev)  # (B, T)
-                mask = torch.arange(T)[None, :] < torch.from_numpy(lengths[o])[:, None]
-                yield _B((x, mask.to(dev)), torch.from_numpy(labels[rows[o]]).to(dev))
+            for o, x, mask in length_sorted_batches(ids, lengths, batch_size):
+                yield _B((x.to(dev), mask.to(dev)), torch.from_numpy(labels[rows[o]]).to(dev))
 
     execution = resolve_execution("serve", dev, precision=precision)
     log.info("evaluating %s on %s (%d examples, %s)", model_ref, split, len(rows),

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from training.recipes import RecipeError
+from vit_service.data.tokenized import padding_mask
 from vit_service.models.text import NgramHead
 
 log = logging.getLogger(__name__)
@@ -113,8 +114,7 @@ def token_ngrams(head: NgramHead, ids: Tensor, lengths: Tensor, chunk: int = 102
     for s in range(0, len(ids), chunk):
         lens = lengths[s : s + chunk].to(ids.device)
         T = int(lens.max())
-        mask = torch.arange(T, device=ids.device)[None, :] < lens[:, None]  # (b, T)
-        f = head.features(ids[s : s + chunk, :T], mask).cpu()  # (b, 2T)
+        f = head.features(ids[s : s + chunk, :T], padding_mask(lens, T)).cpu()  # (b, 2T)
         r, c = (f >= 0).nonzero(as_tuple=True)
         rows.append(r.numpy() + s)
         cols.append(f[r, c].numpy())

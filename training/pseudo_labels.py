@@ -27,6 +27,7 @@ import torch
 
 from training.recipes import Recipe
 from vit_service.bundle import load_bundle
+from vit_service.data.tokenized import length_sorted_batches
 from vit_service.execution import resolve_execution
 from vit_service.tta import predict
 
@@ -79,17 +80,12 @@ def teacher_probabilities(teacher: str | Path, texts: list[str], cache_dir: str 
     p = b.meta.preprocess
     ids, lengths = b.tokenizer.encode_to_arrays(texts, int(p["max_len"]),
                                                 truncation=p.get("truncation", "head"))
-    order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
     out = np.zeros((len(texts), len(b.meta.class_names)), np.float32)
     ex = resolve_execution("serve", "cpu")
     b.model.eval()
     with torch.inference_mode(), ex.applied(b.model):
-        for s in range(0, len(order), batch_size):
-            o = order[s : s + batch_size]
-            T = int(lengths[o].max())
-            x = torch.from_numpy(ids[o, :T]).long()  # (B, T)
-            mask = torch.arange(T)[None, :] < torch.from_numpy(lengths[o])[:, None]
-            out[o] = torch.softmax(predict(b.model, x, mask).float(), -1).numpy()
+        for rows, x, mask in length_sorted_batches(ids, lengths, batch_size):
+            out[rows] = torch.softmax(predict(b.model, x, mask).float(), -1).numpy()
     log.info("pseudo labels: %s classified %d texts", folder, len(texts))
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)

@@ -48,14 +48,17 @@ class Leases:
         self.get = get
         self.renewed = -math.inf  # monotonic time of the last renewal
 
-    def renew(self) -> None:
-        """Every third of a lease: renew this host's, settle other hosts' expired ones."""
+    def renew(self, settle_others: bool = True) -> None:
+        """Every third of a lease: renew this host's, and (``settle_others``: the leader
+        only) settle other hosts' expired ones."""
         if time.monotonic() - self.renewed < self.lease_s / 3:
             return
         self.renewed = time.monotonic()
         running = self.store.list(JobState.running, limit=10_000)
         mine = self.executor.following(running)
         self.store.heartbeat(mine, self.host)
+        if not settle_others:
+            return
         for job in running:
             if job.host not in (None, self.host) and job.id not in mine:
                 self.settle_if_expired(job)

@@ -55,6 +55,9 @@ class JobManager:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # launch and settle (as a lone manager does, and start() again), or, after step_down(),
+        # only follow this host's own attempts to their end
+        self._leading = True
         # a check of the queued caps and the insert it allows, one submit at a time (in this
         # process; two API processes may still overshoot a cap by a job or so)
         self._submit_lock = threading.Lock()
@@ -64,23 +67,39 @@ class JobManager:
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start scheduling: also after a step-down (serving/app.py), when what this process
-        followed before may have been settled, or resumed elsewhere, by another leader: the
-        executor forgets it and :meth:`recover` re-adopts from the table what is still ours."""
-        self.executor.forget()
-        self._offsets.clear()
-        self.executor.start()
-        self.recover()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="job-scheduler", daemon=True)
-        self._thread.start()
+        """Lead: schedule (launch queued jobs, settle other hosts' expired ones). Also after a
+        step-down (serving/app.py), when what this process followed before may have been
+        settled, or resumed elsewhere, by another leader: the executor forgets it and
+        :meth:`recover` re-adopts from the table what is still ours."""
+        with self._lock:  # a following-only pass may be under way (after a step-down)
+            self.executor.forget()
+            self._offsets.clear()
+            self.executor.start()
+            self.recover()
+            self._leading = True
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="job-scheduler",
+                                            daemon=True)
+            self._thread.start()
         log.info("job manager started: %d at once (%s), database %s",
                  self.executor.concurrency, self.executor.name,
                  self.store.engine.url.render_as_string(hide_password=True))
 
+    def step_down(self) -> None:
+        """Stop leading (another process may lead already): once this returns, this process
+        launches nothing and settles no other host's job (a pass under way ends first). The
+        attempts a host-bound executor started here are still followed to their end and their
+        leases renewed, so a leader that loses its lock does not fail its healthy jobs; on a
+        shared cluster (Ray) the new leader follows them all."""
+        with self._lock:
+            self._leading = False
+
     def stop(self) -> None:
-        """Stop scheduling. Running jobs keep running (they are re-adopted on the next start)."""
+        """Stop the scheduler thread (server shutdown). Running jobs keep running: they are
+        re-adopted on the next start, or settled by another host once their lease expired."""
         self._stop.set()
+        self.step_down()
         if self._thread is not None:
             self._thread.join(timeout=10)
 
@@ -198,6 +217,9 @@ class JobManager:
         (retried on the next)."""
         with self._lock:
             try:
+                if not self._leading:
+                    self._follow_own()
+                    return
                 for job_id in self.executor.following(self._running()):
                     self._follow(job_id)
                 if self.executor.host_bound:
@@ -212,6 +234,17 @@ class JobManager:
                         self._launch(job)
             except ExecutorUnavailable:
                 return  # logged by the executor
+
+    def _follow_own(self) -> None:
+        """A pass while not leading: a host-bound executor's own attempts are followed to
+        their end and their leases renewed; nothing is launched or settled for another host."""
+        if not self.executor.host_bound:
+            return
+        mine = self.executor.following(self._running())
+        for job_id in mine:
+            self._follow(job_id)
+        if mine:
+            self.leases.renew(settle_others=False)
 
     def _running(self) -> list[Job]:
         return self.store.list(JobState.running, limit=10_000)

@@ -22,7 +22,7 @@ from training.recipes import Recipe
 from training.tasks.base import Batch, Task, store, uploaded, val_count
 from vit_service.data import TextDataset, load_imdb, split_indices
 from vit_service.data.datasets import DatasetStore, TextTable
-from vit_service.data.tokenized import tokenize_splits, tokenized_cache_dir
+from vit_service.data.tokenized import padding_mask, tokenize_splits, tokenized_cache_dir
 from vit_service.data.tokenizer import TextTokenizer
 from vit_service.models.text import NgramHead
 
@@ -155,8 +155,7 @@ class TextTask(Task):
         T = int(lengths.max())
         lengths_dev = lengths.to(self.device)
         input_ids = ids[:, :T].long()  # (B, T)
-        mask = torch.arange(T, device=self.device)[None, :] < lengths_dev[:, None]  # (B, T)
-        return Batch((input_ids, mask), y, n_items=int(lengths.sum()))
+        return Batch((input_ids, padding_mask(lengths_dev, T)), y, n_items=int(lengths.sum()))
 
     def train_batch(self, epoch: int, index: int, size: int | None = None) -> Batch:
         if size is not None:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from torch import Tensor
 
 from vit_service.data import cache as data_cache
 from vit_service.data.tokenizer import TextTokenizer
@@ -22,6 +24,23 @@ from vit_service.data.tokenizer import TextTokenizer
 log = logging.getLogger(__name__)
 
 TOKENIZED_VERSION = "1"
+
+
+def padding_mask(lengths: Tensor, T: int) -> Tensor:
+    """``(B, T)`` True at each row's first ``lengths[i]`` positions (its real tokens)."""
+    return torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def length_sorted_batches(ids: np.ndarray, lengths: np.ndarray,
+                          batch_size: int) -> Iterator[tuple[np.ndarray, Tensor, Tensor]]:
+    """Batches of the id rows ``(N, L)`` shortest first (similar lengths together: less
+    padding), each cut to its longest row: ``(rows, ids (B, T) int64, mask (B, T))``."""
+    order = np.argsort(lengths, kind="stable")
+    for s in range(0, len(order), batch_size):
+        rows = order[s : s + batch_size]
+        T = int(lengths[rows].max())
+        yield (rows, torch.from_numpy(ids[rows, :T]).long(),
+               padding_mask(torch.from_numpy(lengths[rows]), T))
 
 
 def tokenized_cache_dir(cache_dir: str | Path | None, source: str, params: dict[str, Any],

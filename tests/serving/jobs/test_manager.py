@@ -316,14 +316,14 @@ def test_two_hosts_on_one_database_leave_each_others_live_jobs_alone(tmp_path: P
 
 def test_after_a_step_down_an_attempt_settled_and_resumed_elsewhere_is_left_alone(
         settings: Settings) -> None:
-    """This process stops leading mid-job (serving/app.py step-down: the manager stops), the
-    new leader on another host settles the job and resumes it there. When this process leads
-    again it forgets its old attempt, and its attempt's end never overwrites the job."""
+    """This process stops leading mid-job (serving/app.py step-down), the new leader on
+    another host settles the job and resumes it there. Following its attempt meanwhile, or
+    leading again (it forgets its old attempt), its attempt's end never overwrites the job."""
     mgr = _manager(settings)
     job = mgr.submit("fake", {"steps": 30})
     _wait(mgr, job.id, {JobState.running})
     mgr.start()
-    mgr.stop()  # stepped down
+    mgr.step_down()
     assert job.id in mgr.executor.procs
     # the other host: settled it, resumed it, and runs it now
     mgr.store.update(job.id, state=JobState.running, host="other-host", attempts=2,
@@ -335,5 +335,43 @@ def test_after_a_step_down_an_attempt_settled_and_resumed_elsewhere_is_left_alon
         mgr.tick()
         now = mgr.get(job.id)
         assert now.state == JobState.running and now.host == "other-host", now
+    finally:
+        mgr.stop()
+
+
+def test_a_manager_that_stepped_down_follows_its_own_attempts_to_the_end_and_launches_nothing(
+        settings: Settings) -> None:
+    """A leader that loses its lock (serving/app.py) keeps following the attempts it started:
+    their leases stay fresh (another host would otherwise fail them as abandoned once they
+    expired) and their ends are recorded; nothing queued is launched, no other host's expired
+    job is settled, until it leads again."""
+    settings = settings.model_copy(update={"jobs_lease_s": 0.6})
+    mgr = _manager(settings)
+    mine = mgr.submit("fake", {"steps": 60})  # ~3 s
+    mgr.start()
+    try:
+        _wait(mgr, mine.id, {JobState.running})
+        mgr.step_down()
+        queued = mgr.submit("fake", {"steps": 2})
+        # another host's job whose lease expired long ago: only a leader settles it
+        theirs = mgr.submit("fake", {"steps": 2})
+        old = mgr.store.get(mine.id).started_at  # type: ignore[union-attr]
+        mgr.store.update(theirs.id, state=JobState.running, host="other-host",
+                         executor="local", started_at=old, heartbeat_at=old)
+        beats = set()
+        t0 = time.monotonic()
+        while mgr.get(mine.id).state == JobState.running and time.monotonic() - t0 < 20:
+            beats.add(mgr.store.get(mine.id).heartbeat_at)  # type: ignore[union-attr]
+            time.sleep(0.05)
+        done = mgr.get(mine.id)
+        assert done.state == JobState.succeeded and done.exit_code == 0, done
+        assert len(beats) >= 2, beats  # renewed while following, not only at launch
+        time.sleep(0.3)
+        assert mgr.get(queued.id).state == JobState.queued
+        assert mgr.get(theirs.id).state == JobState.running
+        mgr.start()  # leads again: launches the queued job, settles the expired one
+        _wait(mgr, queued.id, {JobState.succeeded})
+        gone = mgr.get(theirs.id)
+        assert gone.state == JobState.failed and "stopped renewing its lease" in gone.reason
     finally:
         mgr.stop()
