@@ -153,6 +153,14 @@ def test_text_cli_run_end_to_end(tmp_path: Path, data_dir: Path, run_cli, mlflow
     assert b.meta.extra["recipe"]["name"] == "imdb-smoke"
     enc = b.tokenizer.encode_batch(["a great wonderful film"], 64)
     assert b.model(enc.input_ids, enc.attention_mask).shape == (1, 2)
+    # `vit-service evaluate` on the rebuilt validation split (length-sorted batches) scores
+    # what the run logged
+    from training.evaluate import evaluate_bundle
+
+    ev = evaluate_bundle(str(bundle), "val", data_dir, cache_dir=data_dir.parent / "cache",
+                         batch_size=7)
+    assert ev.n == 40  # the recipe's data.val_size
+    assert ev.acc == pytest.approx(run.data.metrics["val_acc"], abs=1e-6)
 
 
 def test_resume_equals_uninterrupted_run(env: dict, data_dir: Path) -> None:
