@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from training.progress import ERROR_PREFIX
+
 EXIT_USAGE = 2
 # recipe keys that may change when resuming (they do not change what is computed)
 RESUME_KEYS = {"max_steps", "device", "threads", "processes", "log_every", "eval_batch_size",
@@ -75,7 +77,7 @@ def _settings() -> Any:
 
 
 def _fail(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
+    print(f"{ERROR_PREFIX}{msg}", file=sys.stderr)
     return EXIT_USAGE
 
 

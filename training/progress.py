@@ -23,6 +23,10 @@ import time
 from enum import StrEnum
 from typing import IO, Any
 
+# how `vit-service train` states a usage error (a bad recipe value, missing data) on stderr,
+# one line, before exiting 2: a job runner quotes that line as the job's reason
+ERROR_PREFIX = "error: "
+
 
 class Event(StrEnum):
     """The ``event`` field of a progress line."""

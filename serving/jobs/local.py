@@ -32,6 +32,7 @@ from serving.jobs.executor import (
     Vanished,
 )
 from serving.jobs.model import Job, JobState
+from serving.jobs.progress import failure_reason
 from vit_service.config import Settings
 
 log = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ class LocalExecutor:
                          code)
         if code == 0:
             return Ended(JobState.succeeded, None, code)
-        return Ended(JobState.failed, f"exited with code {code}", code)
+        return Ended(JobState.failed, failure_reason(job.log_path, code), code)
 
     def stop(self, job: Job) -> None:
         with self._lock:

@@ -16,7 +16,7 @@ from typing import Any
 
 from serving.jobs.model import Job
 from serving.jobs.store import JobStore
-from training.progress import Event
+from training.progress import ERROR_PREFIX, Event
 
 TAIL_BYTES = 256 * 1024  # the most a tail of a log reads
 
@@ -138,6 +138,17 @@ def tail_lines(path: Path, lines: int) -> list[str]:
         f.seek(max(0, size - TAIL_BYTES))
         out = f.read().decode("utf-8", "replace").splitlines()
     return out[-lines:] if lines > 0 else []
+
+
+def failure_reason(path: Path, code: int | None) -> str:
+    """Why an attempt failed: its exit code, with the trainer's own one-line error when its log
+    ends with one (``error: ...``: what `vit-service train` prints for a bad recipe value or
+    missing data, e.g. too few labelled texts for the n-gram teacher), so the job's ``reason``
+    says what to change without reading the log."""
+    for line in reversed(tail_lines(path, 20)):
+        if line.startswith(ERROR_PREFIX):
+            return f"exited with code {code}: {line[len(ERROR_PREFIX):].strip()[:500]}"
+    return f"exited with code {code}"
 
 
 def last_event(path: Path, kind: Event) -> dict[str, Any] | None:

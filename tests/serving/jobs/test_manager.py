@@ -19,6 +19,10 @@ from vit_service.config import Settings
 WORKER = r"""
 import json, signal, sys, time
 steps = int(sys.argv[1]); fail = sys.argv[2] == "fail"
+if sys.argv[2] == "usage":  # as `vit-service train` states a bad recipe value, then exits 2
+    print("a log line first", file=sys.stderr)
+    print("error: data.pseudo_labels: no word in 2 or more labelled texts", file=sys.stderr)
+    sys.exit(2)
 def term(*_):
     print(json.dumps({"event": "end", "status": "interrupted"}), flush=True); sys.exit(143)
 signal.signal(signal.SIGTERM, term)
@@ -83,6 +87,19 @@ def test_failure_records_exit_code_and_reason(settings: Settings) -> None:
     done = mgr.get(job.id)
     assert done.exit_code == 3 and "code 3" in done.reason
     assert mgr.logs(job.id, tail=2)[-1].startswith("Traceback")
+    assert done.reason == "exited with code 3"  # no error line of the trainer's to quote
+
+
+def test_a_usage_error_of_the_trainer_is_the_failed_jobs_reason(settings: Settings) -> None:
+    """The trainer's one-line error (training/cli.py) is quoted in the reason, so the API
+    says what to change without the log."""
+    mgr = _manager(settings)
+    job = mgr.submit("fake", {"steps": 2, "mode": "usage"})
+    _wait(mgr, job.id, {JobState.failed})
+    done = mgr.get(job.id)
+    assert done.exit_code == 2
+    assert done.reason == ("exited with code 2: data.pseudo_labels: no word in 2 or more "
+                           "labelled texts")
 
 
 def test_queue_respects_concurrency_and_cancel(settings: Settings) -> None:
