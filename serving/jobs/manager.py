@@ -37,6 +37,7 @@ from vit_service.config import DEFAULT_PRINCIPAL, Settings
 
 log = logging.getLogger(__name__)
 
+
 class JobManager:
     def __init__(
         self,
@@ -99,7 +100,13 @@ class JobManager:
         """Stop the scheduler thread (server shutdown). Running jobs keep running: they are
         re-adopted on the next start, or settled by another host once their lease expired."""
         self._stop.set()
-        self.step_down()
+        # a pass that hangs (a database or a Ray head that does not answer) must not hold up
+        # the shutdown for longer than the join below would
+        if self._lock.acquire(timeout=10):
+            try:
+                self._leading = False
+            finally:
+                self._lock.release()
         if self._thread is not None:
             self._thread.join(timeout=10)
 

@@ -160,7 +160,9 @@ def test_text_cli_run_end_to_end(tmp_path: Path, data_dir: Path, run_cli, mlflow
     ev = evaluate_bundle(str(bundle), "val", data_dir, cache_dir=data_dir.parent / "cache",
                          batch_size=7)
     assert ev.n == 40  # the recipe's data.val_size
-    assert ev.acc == pytest.approx(run.data.metrics["val_acc"], abs=1e-6)
+    # (the same on CPU; a CUDA run validated in bf16 may differ by a review)
+    assert ev.acc == pytest.approx(run.data.metrics["val_acc"],
+                                   abs=1.5 / 40 if torch.cuda.is_available() else 1e-6)
 
 
 def test_resume_equals_uninterrupted_run(env: dict, data_dir: Path) -> None:

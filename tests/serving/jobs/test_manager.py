@@ -334,8 +334,8 @@ def test_two_hosts_on_one_database_leave_each_others_live_jobs_alone(tmp_path: P
 def test_after_a_step_down_an_attempt_settled_and_resumed_elsewhere_is_left_alone(
         settings: Settings) -> None:
     """This process stops leading mid-job (serving/app.py step-down), the new leader on
-    another host settles the job and resumes it there. Following its attempt meanwhile, or
-    leading again (it forgets its old attempt), its attempt's end never overwrites the job."""
+    another host settles the job and resumes it there. When this process leads again it
+    forgets its old attempt, and its attempt's end never overwrites the job."""
     mgr = _manager(settings)
     job = mgr.submit("fake", {"steps": 30})
     _wait(mgr, job.id, {JobState.running})
