@@ -201,6 +201,7 @@ class ModelStore:
     @property
     def client(self) -> MlflowClient:
         if self._client is None:
+            tracking.init_sqlite_store(self.tracking_uri)
             self._client = MlflowClient(tracking_uri=self.tracking_uri,
                                         registry_uri=self.tracking_uri)
         return self._client

@@ -56,16 +56,12 @@ def prepare_home(settings: Settings) -> None:
     """The first-start state of a home, made once by the supervisor before its workers start
     (they would otherwise all find no table and all create it): the jobs table and, for a
     local SQLite tracking store, MLflow's tables. Each is also safe to make concurrently
-    (the job store locks its schema), this just keeps N workers from racing at all."""
+    (both are made under a lock), this just keeps N workers from waiting on each other."""
     from serving.jobs.store import JobStore
+    from vit_service.tracking import init_sqlite_store
 
     JobStore(settings.resolved_jobs_db_url).engine.dispose()
-    uri = settings.resolved_tracking_uri
-    if uri.startswith("sqlite:///"):
-        from mlflow import MlflowClient
-
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        MlflowClient(uri, uri).search_experiments(max_results=1)  # runs MLflow's migrations
+    init_sqlite_store(settings.resolved_tracking_uri)
 
 
 class Leadership:

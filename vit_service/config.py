@@ -25,9 +25,13 @@ PRINCIPAL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")  # whole name: 
 
 class Settings(BaseSettings):
     # hide_input_in_errors: an error about one bad entry of VIT_SERVICE_API_KEYS must not
-    # print the others (start-up errors go to logs)
+    # print the others (start-up errors go to logs). validate_by_name: a field with an alias
+    # (tracking_uri reads MLFLOW_TRACKING_URI) still takes its value by name in code,
+    # `Settings(tracking_uri=...)`; without it the keyword was silently dropped and the
+    # environment's URI, which mlflow.set_tracking_uri exports, was used instead
     model_config = SettingsConfigDict(env_prefix="VIT_SERVICE_", extra="ignore",
-                                      hide_input_in_errors=True)
+                                      hide_input_in_errors=True, validate_by_name=True,
+                                      validate_by_alias=True)
 
     # --- where things live -------------------------------------------------------------------
     home: Path = Field(Path(".vit-service"), description="runs, checkpoints, local databases")

@@ -34,10 +34,30 @@ def configure(tracking_uri: str | None = None, settings: Settings | None = None)
     """Point MLflow at ``tracking_uri`` (or the settings' one) and return it."""
     settings = settings or get_settings()
     uri = tracking_uri or settings.resolved_tracking_uri
-    if uri.startswith("sqlite:///"):
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    init_sqlite_store(uri)
     mlflow.set_tracking_uri(uri)
     return uri
+
+
+def init_sqlite_store(uri: str) -> None:
+    """Make a local SQLite tracking store's tables once, under a file lock beside the file.
+
+    MLflow creates and migrates a fresh database's tables in whichever process opens it
+    first, unguarded: a server and a trainer (or two trainers) opening a new home's database
+    together both migrate it, and one fails (``table _alembic_tmp_tags already exists``).
+    Under the lock the first one makes the tables and the others then find them made.
+    Any other URI (a tracking server, PostgreSQL) is left alone: the server owns its schema.
+    """
+    if not uri.startswith("sqlite:///"):
+        return
+    db = Path(uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{db}.init-lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            MlflowClient(uri, uri).search_experiments(max_results=1)  # runs the migrations
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def ensure_experiment(name: str, settings: Settings | None = None) -> str:

@@ -108,8 +108,11 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module", params=["fp32", "bf16"])
 def served(request, bundles: dict[str, Path], tmp_path_factory) -> Iterator[TestClient]:
     home = tmp_path_factory.mktemp("serve")
+    # request_timeout_s: this checks answers, not speed; a CPU without native bf16 emulates
+    # it (a bf16 explanation with faithfulness curves of the largest recipe took 28 s alone
+    # on an AVX2-only CPU, past the 30 s default under a loaded CI)
     settings = clean_settings(home=home, tracking_uri=f"sqlite:///{home / 'mlflow.db'}",
-                              reload_interval_s=0, max_wait_ms=2.0,
+                              reload_interval_s=0, max_wait_ms=2.0, request_timeout_s=300.0,
                               inference_precision=request.param,
                               models={name: str(b) for name, b in bundles.items()})
     with TestClient(create_app(settings)) as c:
