@@ -10,6 +10,7 @@ manager records it.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -78,12 +79,13 @@ class Executor(Protocol):
         Returns the fields to record; raises :class:`LaunchFailed` (the job fails) or
         :class:`ExecutorUnavailable` (it is queued again)."""
 
-    def forget(self) -> None:
-        """Drop every attempt followed so far (before a start after a step-down: what is still
-        this host's is adopted again from the table)."""
+    def forget(self, keep: Collection[str] = ()) -> None:
+        """Drop every attempt followed so far but those of the jobs in ``keep`` (at a start
+        after a step-down: what is still this host's was adopted again from the table)."""
 
     def adopt(self, job: Job) -> bool:
-        """After a restart, follow a running attempt again; False if it is gone."""
+        """Follow a running attempt (again): one still followed keeps its handle, one found
+        by its pid after a restart is followed by pid. False if it is gone."""
 
     def following(self, running: list[Job]) -> list[str]:
         """The jobs to poll this pass (``running``: the table's running jobs)."""

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,11 +138,15 @@ class LocalExecutor:
         log.info("job %s started (pid %d): %s", job.id, proc.pid, " ".join(cmd))
         return {"pid": proc.pid, "pid_start": start, "executor": self.name}
 
-    def forget(self) -> None:
+    def forget(self, keep: Collection[str] = ()) -> None:
         with self._lock:
-            self.procs.clear()
+            for k in [k for k in self.procs if k not in keep]:
+                del self.procs[k]
 
     def adopt(self, job: Job) -> bool:
+        held = self.procs.get(job.id)
+        if held is not None and held.pid == job.pid:
+            return True  # still followed (a step-down and a new lead): its handle has the exit
         if job.pid is None or not alive(job.pid, job.pid_start):
             return False
         log.info("re-adopting running job %s (pid %d)", job.id, job.pid)

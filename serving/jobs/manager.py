@@ -70,13 +70,14 @@ class JobManager:
     def start(self) -> None:
         """Lead: schedule (launch queued jobs, settle other hosts' expired ones). Also after a
         step-down (serving/app.py), when what this process followed before may have been
-        settled, or resumed elsewhere, by another leader: the executor forgets it and
-        :meth:`recover` re-adopts from the table what is still ours."""
+        settled, or resumed elsewhere, by another leader: :meth:`recover` re-adopts from the
+        table what is still ours (keeping the handles of attempts it still follows, so their
+        exit codes are not lost) and the executor forgets the rest."""
         with self._lock:  # a following-only pass may be under way (after a step-down)
-            self.executor.forget()
-            self._offsets.clear()
             self.executor.start()
-            self.recover()
+            kept = self.recover()
+            self.executor.forget(keep=kept)
+            self._offsets = {k: v for k, v in self._offsets.items() if k in kept}
             self._leading = True
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
@@ -110,22 +111,26 @@ class JobManager:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
-    def recover(self) -> None:
+    def recover(self) -> set[str]:
         """Re-adopt this host's live attempts; settle the ones that are gone from their logs.
-        (Attempts on a shared cluster need nothing: every pass polls them all.)"""
+        Returns the ids adopted. (Attempts on a shared cluster need nothing: every pass polls
+        them all.)"""
+        adopted: set[str] = set()
         if not self.executor.host_bound:
-            return
+            return adopted
         for job in self.store.list(JobState.running, limit=10_000):
             if job.host not in (None, self.host):  # another API host's job
                 self.leases.settle_if_expired(job)
                 continue
             if self.executor.adopt(job):
-                self._offsets[job.id] = 0
+                self._offsets.setdefault(job.id, 0)  # a kept attempt reads on where it was
+                adopted.add(job.id)
                 continue
             # it may have finished while the server was down: take its progress from the log
             read_progress(self.store, job.id, 0)
             self.leases.settle_from_log(
                 self._get(job.id), "the job's process was gone when the API server restarted")
+        return adopted
 
     # --- API operations -------------------------------------------------------------------------
     def submit(self, recipe: str, overrides: dict[str, Any], name: str = "",

@@ -42,6 +42,7 @@ import json
 import logging
 import shlex
 import time
+from collections.abc import Collection
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -165,7 +166,7 @@ class RayExecutor:
     def check(self) -> None:
         self._call("get_version")  # 503 now rather than a job that cannot start
 
-    def forget(self) -> None:
+    def forget(self, keep: Collection[str] = ()) -> None:
         pass  # nothing held: every pass asks Ray about every running job
 
     def adopt(self, job: Job) -> bool:

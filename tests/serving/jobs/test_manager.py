@@ -392,3 +392,27 @@ def test_a_manager_that_stepped_down_follows_its_own_attempts_to_the_end_and_lau
         assert gone.state == JobState.failed and "stopped renewing its lease" in gone.reason
     finally:
         mgr.stop()
+
+
+def test_leading_again_keeps_the_handle_of_an_attempt_that_ended_meanwhile(
+        settings: Settings) -> None:
+    """An attempt that ends after a step-down and before this process leads again (no pass
+    recorded its end) keeps its process handle through the new lead: its exit code and
+    reason are the real ones, not a "gone" read from the log of a process found by pid."""
+    mgr = _manager(settings)
+    job = mgr.submit("fake", {"steps": 3, "mode": "fail"})
+    _wait(mgr, job.id, {JobState.running})
+    mgr.step_down()
+    pid = mgr.executor.procs[job.id].pid
+    t0 = time.monotonic()
+    while Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z":
+        assert time.monotonic() - t0 < 20, "the attempt did not end"
+        time.sleep(0.05)  # ended, not reaped: only its handle knows the exit code
+    mgr.start()
+    try:
+        _wait(mgr, job.id, {JobState.failed, JobState.succeeded})
+        done = mgr.get(job.id)
+        assert done.state == JobState.failed and done.exit_code == 3, done
+        assert done.reason.startswith("exited with code 3"), done.reason
+    finally:
+        mgr.stop()
