@@ -55,6 +55,7 @@ class JobManager:
         self._offsets: dict[str, int] = {}  # how far each followed job's log was read
         self._lock = threading.RLock()
         self._stop = threading.Event()
+        self._closed = False  # stop() was called: never lead again
         self._thread: threading.Thread | None = None
         # launch and settle (as a lone manager does, and start() again), or, after step_down(),
         # only follow this host's own attempts to their end
@@ -74,16 +75,19 @@ class JobManager:
         table what is still ours (keeping the handles of attempts it still follows, so their
         exit codes are not lost) and the executor forgets the rest."""
         with self._lock:  # a following-only pass may be under way (after a step-down)
+            if self._closed:  # a lead that was still starting when the server shut down
+                log.info("job manager stopped already: not leading")
+                return
             self.executor.start()
             kept = self.recover()
             self.executor.forget(keep=kept)
             self._offsets = {k: v for k, v in self._offsets.items() if k in kept}
             self._leading = True
-        if self._thread is None or not self._thread.is_alive():
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._loop, name="job-scheduler",
-                                            daemon=True)
-            self._thread.start()
+            # under the lock: stop() reads the thread it joins under it too
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="job-scheduler",
+                                                daemon=True)
+                self._thread.start()
         log.info("job manager started: %d at once (%s), database %s",
                  self.executor.concurrency, self.executor.name,
                  self.store.engine.url.render_as_string(hide_password=True))
@@ -98,8 +102,10 @@ class JobManager:
             self._leading = False
 
     def stop(self) -> None:
-        """Stop the scheduler thread (server shutdown). Running jobs keep running: they are
-        re-adopted on the next start, or settled by another host once their lease expired."""
+        """Stop the scheduler thread for good (server shutdown; a :meth:`start` still under
+        way, or called later, then does nothing). Running jobs keep running: they are
+        re-adopted by the next server, or settled by another host once their lease expired."""
+        self._closed = True
         self._stop.set()
         # a pass that hangs (a database or a Ray head that does not answer) must not hold up
         # the shutdown for longer than the join below would
@@ -108,8 +114,9 @@ class JobManager:
                 self._leading = False
             finally:
                 self._lock.release()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=10)
 
     def recover(self) -> set[str]:
         """Re-adopt this host's live attempts; settle the ones that are gone from their logs.

@@ -416,3 +416,16 @@ def test_leading_again_keeps_the_handle_of_an_attempt_that_ended_meanwhile(
         assert done.reason.startswith("exited with code 3"), done.reason
     finally:
         mgr.stop()
+
+
+def test_a_lead_starting_after_the_shutdown_does_nothing(settings: Settings) -> None:
+    """The server shuts down while a lead is still starting (its start() runs in a thread the
+    shutdown cannot cancel): once stop() was called, start() launches nothing and leaves no
+    scheduler thread behind."""
+    mgr = _manager(settings)
+    mgr.stop()
+    job = mgr.submit("fake", {"steps": 2})
+    mgr.start()
+    time.sleep(0.5)  # ten polls of a scheduler, had one started
+    assert mgr.get(job.id).state == JobState.queued
+    assert mgr._thread is None  # (other tests' threads may still be ending: not enumerated)
