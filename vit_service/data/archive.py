@@ -16,13 +16,14 @@ import lzma
 import os
 import tarfile
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 from vit_service.data.errors import DataNotFoundError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DATA_DIR_ENV = "VIT_SERVICE_DATA_DIR"
 # what a damaged or non-tar file raises while being streamed
@@ -36,6 +37,45 @@ class NotASource(Exception):
 
 class SplitMissing(NotASource):
     """The source exists but does not contain the requested split."""
+
+
+def first_source(
+    candidates: Iterable[tuple[str, Path]],
+    load: Callable[[str, Path], T],
+    details: list[str],
+    *,
+    folder_kinds: Collection[str] = (),
+    download: Callable[[], T] | None = None,
+) -> T | None:
+    """The data set of the first candidate ``(kind, path)`` that ``load`` can read, else of
+    ``download()`` (None: offline), else None. What each skipped candidate was goes into
+    ``details`` for the final :class:`DataNotFoundError`. A candidate that is not a source
+    (:class:`NotASource`) or an unreadable archive is skipped; a folder (``folder_kinds``)
+    that fails to read as an archive would is a real error and is raised."""
+    for kind, path in candidates:
+        try:
+            return load(kind, path)
+        except ARCHIVE_ERRORS as exc:
+            if kind in folder_kinds:
+                raise
+            details.append(f"{path}: unreadable tar archive ({exc})")
+        except NotASource as exc:
+            details.append(str(exc))
+            logger.debug("skipping %s: %s", path, exc)
+    if download is not None:
+        try:
+            return download()
+        except NotASource as exc:
+            details.append(str(exc))
+    return None
+
+
+def not_found(dataset: str, split: str, root: Path, details: list[str]) -> str:
+    """The first line of a loader's :class:`DataNotFoundError`: the split is missing from
+    the data found, or nothing was found at all."""
+    if any("split is not present" in d for d in details):
+        return f"The {dataset} {split!r} split is not present in the data found under {root}."
+    return f"No {dataset} data found under {root}."
 
 
 def is_archive(path: Path) -> bool:

@@ -31,11 +31,12 @@ from PIL import Image
 
 from vit_service.data import cache
 from vit_service.data.archive import (
-    ARCHIVE_ERRORS,
     NotASource,
     SplitMissing,
+    first_source,
     is_archive,
     iter_tar_files,
+    not_found,
     peek_archive,
     resolve_data_dir,
 )
@@ -292,38 +293,25 @@ def load_cifar10(
     root = resolve_data_dir(data_dir, CIFAR_HINT)
     looked: list[str] = []
     details: list[str] = []
-    ds: ImageDataset | None = None
-    for kind, path in _cifar_candidates(root, split, looked, details):
-        try:
-            if kind == "batches-dir":
-                ds = _load_batches_dir(path, split, image_size, cache_dir)
-            elif kind == "batches-archive":
-                ds = _load_batches_archive(path, split, image_size, cache_dir)
-            elif kind == "imagefolder-dir":
-                ds = load_image_folder_dir(path, image_size, cache_dir)
-            else:
-                ds = load_image_folder_archive(path, split, image_size, cache_dir)
-            break
-        except ARCHIVE_ERRORS as exc:
-            if kind in ("batches-dir", "imagefolder-dir"):
-                raise
-            details.append(f"{path}: unreadable tar archive ({exc})")
-        except NotASource as exc:
-            details.append(str(exc))
-            logger.debug("skipping %s: %s", path, exc)
-    if ds is None and download:
-        try:
-            ds = _load_batches_dir(_download_cifar10(root), split, image_size, cache_dir)
-        except NotASource as exc:
-            details.append(str(exc))
+
+    def load(kind: str, path: Path) -> ImageDataset:
+        if kind == "batches-dir":
+            return _load_batches_dir(path, split, image_size, cache_dir)
+        if kind == "batches-archive":
+            return _load_batches_archive(path, split, image_size, cache_dir)
+        if kind == "imagefolder-dir":
+            return load_image_folder_dir(path, image_size, cache_dir)
+        return load_image_folder_archive(path, split, image_size, cache_dir)
+
+    def fetch() -> ImageDataset:
+        return _load_batches_dir(_download_cifar10(root), split, image_size, cache_dir)
+
+    ds = first_source(_cifar_candidates(root, split, looked, details), load, details,
+                      folder_kinds=("batches-dir", "imagefolder-dir"),
+                      download=fetch if download else None)
     if ds is None:
-        missing_split = any("split is not present" in d for d in details)
-        what = (
-            f"The CIFAR-10 {split!r} split is not present in the data found under {root}."
-            if missing_split
-            else f"No CIFAR-10 data found under {root}."
-        )
-        raise DataNotFoundError(what, looked, CIFAR_HINT, details)
+        raise DataNotFoundError(not_found("CIFAR-10", split, root, details), looked,
+                                CIFAR_HINT, details)
     if ds.num_classes != len(CIFAR10_CLASSES):
         logger.warning("%s has %d classes, CIFAR-10 has 10", ds.source, ds.num_classes)
     log_loaded(f"loaded CIFAR-10 {split}", ds, t0)

@@ -25,11 +25,12 @@ import numpy as np
 
 from vit_service.data import cache
 from vit_service.data.archive import (
-    ARCHIVE_ERRORS,
     NotASource,
     SplitMissing,
+    first_source,
     is_archive,
     iter_tar_files,
+    not_found,
     peek_archive,
     resolve_data_dir,
 )
@@ -287,34 +288,20 @@ def load_imdb(
     root = resolve_data_dir(data_dir, IMDB_HINT)
     looked: list[str] = []
     details: list[str] = []
-    ds: TextDataset | None = None
-    for kind, path in _candidates(root, looked, details):
-        try:
-            if kind == "folder":
-                ds = _load_folder(path, split, cache_dir)
-            else:
-                ds = _load_archive(path, split, cache_dir)
-            break
-        except ARCHIVE_ERRORS as exc:
-            if kind == "folder":
-                raise
-            details.append(f"{path}: unreadable tar archive ({exc})")
-        except NotASource as exc:
-            details.append(str(exc))
-            logger.debug("skipping %s: %s", path, exc)
-    if ds is None and download:
-        try:
-            ds = _load_archive(_download(root), split, cache_dir)
-        except NotASource as exc:
-            details.append(str(exc))
+
+    def load(kind: str, path: Path) -> TextDataset:
+        if kind == "folder":
+            return _load_folder(path, split, cache_dir)
+        return _load_archive(path, split, cache_dir)
+
+    def fetch() -> TextDataset:
+        return _load_archive(_download(root), split, cache_dir)
+
+    ds = first_source(_candidates(root, looked, details), load, details,
+                      folder_kinds=("folder",), download=fetch if download else None)
     if ds is None:
-        missing_split = any("split is not present" in d for d in details)
-        what = (
-            f"The IMDb {split!r} split is not present in the data found under {root}."
-            if missing_split
-            else f"No IMDb (aclImdb) data found under {root}."
-        )
-        raise DataNotFoundError(what, looked, IMDB_HINT, details)
+        raise DataNotFoundError(not_found("IMDb (aclImdb)", split, root, details), looked,
+                                IMDB_HINT, details)
     logger.info(
         "loaded IMDb %s: %d reviews from %s (%s) in %.2fs",
         split,
