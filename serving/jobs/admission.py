@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from serving.jobs.model import Job
+from serving.jobs.model import Job, JobError
 from vit_service.config import DEFAULT_PRINCIPAL, Settings
 
 Resources = dict[str, float]  # "CPU", "GPU" -> how many
@@ -255,3 +255,18 @@ def plan(queue: list[Job], running: list[Job], *, busy: int, slots: int, executo
         if capacity is not None:
             capacity.take(need, form)
     return Plan(start, why)
+
+
+def check_queued_caps(queued: list[Job], settings: Settings, owner: str) -> None:
+    """429, saying which cap and by how much, when ``queued`` (the queue now) already holds
+    ``jobs_max_queued`` jobs, or ``owner`` has ``jobs_max_queued_per_key`` of them."""
+    s = settings
+    if len(queued) >= s.jobs_max_queued:
+        raise JobError(429, f"the job queue is full ({len(queued)} queued, the limit is "
+                            f"{s.jobs_max_queued}: VIT_SERVICE_JOBS_MAX_QUEUED); retry "
+                            "when one has started")
+    mine = sum(owner_of(j) == owner for j in queued)
+    if s.jobs_max_queued_per_key is not None and mine >= s.jobs_max_queued_per_key:
+        raise JobError(429, f"key {owner} has {mine} jobs queued, its limit is "
+                            f"{s.jobs_max_queued_per_key} (VIT_SERVICE_JOBS_MAX_QUEUED_"
+                            "PER_KEY); retry when one of them has started")

@@ -83,6 +83,10 @@ class Executor(Protocol):
         """Drop every attempt followed so far but those of the jobs in ``keep`` (at a start
         after a step-down: what is still this host's was adopted again from the table)."""
 
+    def followed_elsewhere(self, job: Job) -> bool:
+        """Whether another live process of this host follows the job's attempt (the one that
+        started it): then it is left to that process while its lease is renewed."""
+
     def adopt(self, job: Job) -> bool:
         """Follow a running attempt (again): one still followed keeps its handle, one found
         by its pid after a restart is followed by pid. False if it is gone."""

@@ -42,15 +42,18 @@ class Leases:
     """This host's leases in ``store`` and the settling of other hosts' expired ones."""
 
     def __init__(self, store: JobStore, executor: Executor, host: str, lease_s: float,
-                 get: Callable[[str], Job]) -> None:
-        """``get(job_id)``: the job as stored now (404 when it is gone)."""
+                 get: Callable[[str], Job], recover: Callable[[Job], object]) -> None:
+        """``get(job_id)``: the job as stored now (404 when it is gone). ``recover(job)``:
+        adopt or settle one of this host's attempts that no process follows any more."""
         self.store, self.executor, self.host, self.lease_s = store, executor, host, lease_s
-        self.get = get
+        self.get, self.recover = get, recover
         self.renewed = -math.inf  # monotonic time of the last renewal
 
     def renew(self, settle_others: bool = True) -> None:
-        """Every third of a lease: renew this host's, and (``settle_others``: the leader
-        only) settle other hosts' expired ones."""
+        """Every third of a lease: renew the leases of the attempts this process follows,
+        and (``settle_others``: the leader only) settle other hosts' expired ones and recover
+        this host's that nobody renews (their process was another API process of this host,
+        a `--workers N` sibling that led before, and it is gone)."""
         if time.monotonic() - self.renewed < self.lease_s / 3:
             return
         self.renewed = time.monotonic()
@@ -60,14 +63,22 @@ class Leases:
         if not settle_others:
             return
         for job in running:
-            if job.host not in (None, self.host) and job.id not in mine:
+            if job.id in mine or job.executor not in (None, self.executor.name):
+                continue  # ours, or another executor's job (a Ray job follows itself)
+            if job.host not in (None, self.host):
                 self.settle_if_expired(job)
+            elif self.expired(job):
+                self.recover(job)
+
+    def expired(self, job: Job) -> bool:
+        """Whether nobody renewed the job's lease for a whole lease."""
+        beat = job.heartbeat_at or job.started_at
+        return beat is None or (utcnow() - beat).total_seconds() >= self.lease_s
 
     def settle_if_expired(self, job: Job) -> None:
         """Another host's running job: left alone while that host renews its lease (its
         process is not ours to check); settled from its log once the lease has expired."""
-        beat = job.heartbeat_at or job.started_at
-        if beat is not None and (utcnow() - beat).total_seconds() < self.lease_s:
+        if not self.expired(job):
             return
         if job.executor not in (None, self.executor.name):
             return  # another executor's job (a Ray job): it follows it itself

@@ -63,6 +63,14 @@ def alive(pid: int, start: str | None) -> bool:
     return with_state != "Z" and (start is None or now == start)
 
 
+def parent_of(pid: int) -> int | None:
+    """``pid``'s parent process id (None: the process is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def signal_group(pid: int, sig: signal.Signals) -> None:
     """``sig`` to the whole process group: torchrun and its workers."""
     try:
@@ -142,6 +150,15 @@ class LocalExecutor:
         with self._lock:
             for k in [k for k in self.procs if k not in keep]:
                 del self.procs[k]
+
+    def followed_elsewhere(self, job: Job) -> bool:
+        # its launcher is still alive: another API process of this host (a `--workers N`
+        # sibling that led before, now following only its own attempts). Once that process
+        # is gone its attempts are re-parented to init (or a subreaper): then no longer.
+        if job.id in self.procs or job.pid is None or not alive(job.pid, job.pid_start):
+            return False
+        parent = parent_of(job.pid)
+        return parent is not None and parent not in (0, 1, os.getpid()) and alive(parent, None)
 
     def adopt(self, job: Job) -> bool:
         held = self.procs.get(job.id)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from serving.jobs import validation
-from serving.jobs.admission import Plan, owner_of, plan
+from serving.jobs.admission import Plan, check_queued_caps, owner_of, plan
 from serving.jobs.executor import (
     CANCEL_REQUESTED,
     Ended,
@@ -65,7 +65,7 @@ class JobManager:
         self._submit_lock = threading.Lock()
         self.resources = ResourceView(self.executor)  # capacity and needs, for admission
         self.leases = Leases(self.store, self.executor, self.host, settings.jobs_lease_s,
-                             self._get)
+                             self._get, self._recover_one)
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -129,21 +129,33 @@ class JobManager:
             if job.host not in (None, self.host):  # another API host's job
                 self.leases.settle_if_expired(job)
                 continue
-            if self.executor.adopt(job):
-                self._offsets.setdefault(job.id, 0)  # a kept attempt reads on where it was
-                adopted.add(job.id)
+            if self.executor.followed_elsewhere(job) and not self.leases.expired(job):
+                # a sibling process of this host started it and follows it to its end (it
+                # led before); should it die, the lease runs out and the leader recovers it
+                log.info("job %s is followed by the process that started it (pid %s's "
+                         "parent)", job.id, job.pid)
                 continue
-            # it may have finished while the server was down: take its progress from the log
-            read_progress(self.store, job.id, 0)
-            self.leases.settle_from_log(
-                self._get(job.id), "the job's process was gone when the API server restarted")
+            if self._recover_one(job, "the job's process was gone when the API server "
+                                      "restarted"):
+                adopted.add(job.id)
         return adopted
+
+    def _recover_one(self, job: Job,
+                     why: str = "the API process that followed it stopped") -> bool:
+        """Follow one of this host's running attempts again (True), or settle it from its
+        log when its process is gone (it may have finished meanwhile)."""
+        if self.executor.adopt(job):
+            self._offsets.setdefault(job.id, 0)  # a kept attempt reads on where it was
+            return True
+        read_progress(self.store, job.id, 0)
+        self.leases.settle_from_log(self._get(job.id), why)
+        return False
 
     # --- API operations -------------------------------------------------------------------------
     def submit(self, recipe: str, overrides: dict[str, Any], name: str = "",
                nprocs: int = 1, priority: int = 0, owner: str = DEFAULT_PRINCIPAL) -> Job:
         """Check a request and queue it for ``owner`` (the API key's principal): 422 for what
-        could never run, 429 past a queued cap (:meth:`_check_queued_caps`)."""
+        could never run, 429 past a queued cap (:func:`~.admission.check_queued_caps`)."""
         if not 1 <= nprocs <= self.settings.jobs_max_procs:
             raise JobError(422, f"nprocs must be between 1 and {self.settings.jobs_max_procs}")
         roots = [self.settings.data_dir.resolve(), self.settings.home.resolve()]
@@ -156,7 +168,7 @@ class JobManager:
         self.executor.check()
         self._check_fits(Job.model_construct(recipe=recipe, overrides=overrides, nprocs=nprocs))
         with self._submit_lock:
-            self._check_queued_caps(owner)
+            check_queued_caps(self._queued(), self.settings, owner)
             job = self.store.create(name=name, recipe=recipe, overrides=overrides,
                                     nprocs=nprocs, runs_root=self.runs_root, priority=priority,
                                     owner=owner)
@@ -196,7 +208,7 @@ class JobManager:
         if job.state in (JobState.failed, JobState.cancelled):
             self._check_fits(job)  # the machine may have shrunk since (422, not queued forever)
             with self._submit_lock:
-                self._check_queued_caps(owner_of(job))
+                check_queued_caps(self._queued(), self.settings, owner_of(job))
                 done = self.store.transition(
                     job_id, {JobState.failed, JobState.cancelled}, state=JobState.queued,
                     resume=1, exit_code=None, finished_at=None, reason=None, pid=None,
@@ -267,6 +279,9 @@ class JobManager:
 
     def _running(self) -> list[Job]:
         return self.store.list(JobState.running, limit=10_000)
+
+    def _queued(self) -> list[Job]:
+        return self.store.list(JobState.queued, limit=10_000)  # in no particular order
 
     def _queue(self) -> list[Job]:
         """The queued jobs in admission order (priority, then age)."""
@@ -377,18 +392,3 @@ class JobManager:
             out.append(job.model_copy(update={"queue_position": pos + 1,
                                               "waiting_for": waiting.get(job.id)}))
         return out
-
-    def _check_queued_caps(self, owner: str) -> None:
-        """429, saying which cap and by how much, when the queue already holds
-        ``jobs_max_queued`` jobs, or ``owner`` has ``jobs_max_queued_per_key`` queued."""
-        s = self.settings
-        queued = self.store.list(JobState.queued, limit=10_000)
-        if len(queued) >= s.jobs_max_queued:
-            raise JobError(429, f"the job queue is full ({len(queued)} queued, the limit is "
-                                f"{s.jobs_max_queued}: VIT_SERVICE_JOBS_MAX_QUEUED); retry "
-                                "when one has started")
-        mine = sum(owner_of(j) == owner for j in queued)
-        if s.jobs_max_queued_per_key is not None and mine >= s.jobs_max_queued_per_key:
-            raise JobError(429, f"key {owner} has {mine} jobs queued, its limit is "
-                                f"{s.jobs_max_queued_per_key} (VIT_SERVICE_JOBS_MAX_QUEUED_"
-                                "PER_KEY); retry when one of them has started")

@@ -169,6 +169,9 @@ class RayExecutor:
     def forget(self, keep: Collection[str] = ()) -> None:
         pass  # nothing held: every pass asks Ray about every running job
 
+    def followed_elsewhere(self, job: Job) -> bool:
+        return False  # every leader follows every running Ray job
+
     def adopt(self, job: Job) -> bool:
         return True  # nothing to adopt by pid: every pass polls every running job with Ray
 

@@ -5,7 +5,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -429,3 +432,54 @@ def test_a_lead_starting_after_the_shutdown_does_nothing(settings: Settings) -> 
     time.sleep(0.5)  # ten polls of a scheduler, had one started
     assert mgr.get(job.id).state == JobState.queued
     assert mgr._thread is None  # (other tests' threads may still be ending: not enumerated)
+
+
+LAUNCHER = r"""
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                         start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_sibling_processs_attempt_is_left_to_it_until_nobody_renews_its_lease(
+        settings: Settings) -> None:
+    """Two API processes of one host (`--workers N` on PostgreSQL, one host id): the one that
+    led started an attempt and, having stepped down, still follows it. The new leader leaves
+    it to that process while its lease is renewed (two followers would race to record its
+    end, the one without its handle with no exit code); once that process is gone and the
+    lease ran out, the leader adopts the attempt, and settles it when it ends."""
+    from serving.jobs.local import _proc_start
+    from serving.jobs.store import utcnow
+
+    settings = settings.model_copy(update={"jobs_lease_s": 1.0})
+    mgr = _manager(settings)
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE,
+                                text=True)
+    child = 0
+    try:
+        child = int(launcher.stdout.readline())  # type: ignore[union-attr]
+        job = mgr.submit("fake", {"steps": 2})
+        mgr.store.update(job.id, state=JobState.running, host=mgr.host, executor="local",
+                         pid=child, pid_start=_proc_start(child), started_at=utcnow(),
+                         heartbeat_at=utcnow())
+        assert mgr.executor.followed_elsewhere(mgr.get(job.id))
+        assert mgr.recover() == set() and job.id not in mgr.executor.procs
+        mgr.tick()  # the leader's pass: the lease is fresh, so still the sibling's
+        assert job.id not in mgr.executor.procs and mgr.get(job.id).state == JobState.running
+        launcher.kill()  # the sibling is gone; its attempt goes on, re-parented
+        launcher.wait()
+        time.sleep(1.1)  # and nobody renews the lease
+        mgr.leases.renewed = float("-inf")
+        mgr.tick()
+        assert job.id in mgr.executor.procs, mgr.get(job.id)
+        signal_group(child, signal.SIGKILL)
+        _wait(mgr, job.id, {JobState.failed, JobState.succeeded})
+        done = mgr.get(job.id)
+        assert done.state == JobState.failed and "exit status unknown" in done.reason, done
+    finally:
+        launcher.kill()
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
