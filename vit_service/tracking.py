@@ -51,8 +51,13 @@ def init_sqlite_store(uri: str) -> None:
     if not uri.startswith("sqlite:///"):
         return
     db = Path(uri.removeprefix("sqlite:///"))
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{db}.init-lock", "a+") as lock:
+    try:
+        db.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(f"{db}.init-lock", "a+")  # noqa: SIM115 (closed below)
+    except OSError as e:  # a read-only folder: nobody can migrate it; open it as it is
+        log.debug("no lock beside %s (%s): opening it unlocked", db, e)
+        return
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             MlflowClient(uri, uri).search_experiments(max_results=1)  # runs the migrations

@@ -155,7 +155,9 @@ class LocalExecutor:
         # its launcher is still alive: another API process of this host (a `--workers N`
         # sibling that led before, now following only its own attempts). Once that process
         # is gone its attempts are re-parented to init (or a subreaper): then no longer.
-        if job.id in self.procs or job.pid is None or not alive(job.pid, job.pid_start):
+        # (a zombie counts: an attempt that just ended, its end not yet read by its parent)
+        if job.id in self.procs or job.pid is None or _proc_start(job.pid) is None \
+                or (job.pid_start is not None and _proc_start(job.pid) != job.pid_start):
             return False
         parent = parent_of(job.pid)
         return parent is not None and parent not in (0, 1, os.getpid()) and alive(parent, None)

@@ -83,8 +83,8 @@ class JobManager:
             self.executor.forget(keep=kept)
             self._offsets = {k: v for k, v in self._offsets.items() if k in kept}
             self._leading = True
-            # under the lock: stop() reads the thread it joins under it too
-            if self._thread is None or not self._thread.is_alive():
+            # a stop() that gave up waiting for the lock above may have come meanwhile
+            if not self._closed and (self._thread is None or not self._thread.is_alive()):
                 self._thread = threading.Thread(target=self._loop, name="job-scheduler",
                                                 daemon=True)
                 self._thread.start()
@@ -258,8 +258,10 @@ class JobManager:
                 queue = self._queue()
                 if queue:
                     running = self._running()
-                    # a host-bound executor's slots: the attempts this process follows
-                    busy = len(self.executor.following(running)) \
+                    # a host-bound executor's slots: the attempts this process follows and
+                    # this host's others in the table (a sibling process's, one to recover)
+                    busy = len(set(self.executor.following(running))
+                               | {j.id for j in self._holding(running)}) \
                         if self.executor.host_bound else len(running)
                     for job in self._plan(queue, running, busy, strict=True).start:
                         self._launch(job)

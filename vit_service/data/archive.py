@@ -70,12 +70,14 @@ def first_source(
     return None
 
 
-def not_found(dataset: str, split: str, root: Path, details: list[str]) -> str:
+def not_found(dataset: str, split: str, root: Path, details: list[str],
+              sought: str | None = None) -> str:
     """The first line of a loader's :class:`DataNotFoundError`: the split is missing from
-    the data found, or nothing was found at all."""
+    the data found, or nothing was found at all (``sought``: what was looked for, by default
+    ``dataset``)."""
     if any("split is not present" in d for d in details):
         return f"The {dataset} {split!r} split is not present in the data found under {root}."
-    return f"No {dataset} data found under {root}."
+    return f"No {sought or dataset} data found under {root}."
 
 
 def is_archive(path: Path) -> bool:

@@ -300,7 +300,7 @@ def load_imdb(
     ds = first_source(_candidates(root, looked, details), load, details,
                       folder_kinds=("folder",), download=fetch if download else None)
     if ds is None:
-        raise DataNotFoundError(not_found("IMDb (aclImdb)", split, root, details), looked,
+        raise DataNotFoundError(not_found("IMDb", split, root, details, "IMDb (aclImdb)"), looked,
                                 IMDB_HINT, details)
     logger.info(
         "loaded IMDb %s: %d reviews from %s (%s) in %.2fs",

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -436,8 +437,7 @@ def test_a_lead_starting_after_the_shutdown_does_nothing(settings: Settings) -> 
 
 LAUNCHER = r"""
 import subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
-                         start_new_session=True)
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True)
 print(child.pid, flush=True)
 time.sleep(120)
 """
@@ -453,10 +453,10 @@ def test_a_sibling_processs_attempt_is_left_to_it_until_nobody_renews_its_lease(
     from serving.jobs.local import _proc_start
     from serving.jobs.store import utcnow
 
-    settings = settings.model_copy(update={"jobs_lease_s": 1.0})
+    settings = settings.model_copy(update={"jobs_lease_s": 5.0})
     mgr = _manager(settings)
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE,
-                                text=True)
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, "import time; time.sleep(120)"],
+                                stdout=subprocess.PIPE, text=True)
     child = 0
     try:
         child = int(launcher.stdout.readline())  # type: ignore[union-attr]
@@ -470,7 +470,8 @@ def test_a_sibling_processs_attempt_is_left_to_it_until_nobody_renews_its_lease(
         assert job.id not in mgr.executor.procs and mgr.get(job.id).state == JobState.running
         launcher.kill()  # the sibling is gone; its attempt goes on, re-parented
         launcher.wait()
-        time.sleep(1.1)  # and nobody renews the lease
+        long_ago = utcnow() - timedelta(seconds=6)  # and nobody renewed the lease since
+        mgr.store.update(job.id, heartbeat_at=long_ago, started_at=long_ago)
         mgr.leases.renewed = float("-inf")
         mgr.tick()
         assert job.id in mgr.executor.procs, mgr.get(job.id)
@@ -483,3 +484,33 @@ def test_a_sibling_processs_attempt_is_left_to_it_until_nobody_renews_its_lease(
         if child:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
+
+
+def test_a_siblings_attempt_that_just_ended_is_left_for_it_to_record(
+        settings: Settings) -> None:
+    """The sibling's attempt has ended and the sibling has not read its end yet (a zombie,
+    its exit code waiting in its parent): the new leader must not settle it from its log
+    ("exit status unknown") before the sibling records the real exit code."""
+    from serving.jobs.local import _proc_start
+    from serving.jobs.store import utcnow
+
+    mgr = _manager(settings.model_copy(update={"jobs_lease_s": 30.0}))
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, "raise SystemExit(3)"],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(launcher.stdout.readline())  # type: ignore[union-attr]
+        start = _proc_start(child)
+        job = mgr.submit("fake", {"steps": 2})
+        mgr.store.update(job.id, state=JobState.running, host=mgr.host, executor="local",
+                         pid=child, pid_start=start, started_at=utcnow(),
+                         heartbeat_at=utcnow())
+        t0 = time.monotonic()
+        while Path(f"/proc/{child}/stat").read_text().split(")")[-1].split()[0] != "Z":
+            assert time.monotonic() - t0 < 20, "the attempt did not end"
+            time.sleep(0.05)
+        assert mgr.executor.followed_elsewhere(mgr.get(job.id))
+        assert mgr.recover() == set()
+        assert mgr.get(job.id).state == JobState.running
+    finally:
+        launcher.kill()
+        launcher.wait()
