@@ -10,9 +10,11 @@ version's validation accuracy beats the current champion's.
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import logging
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,18 +53,26 @@ def init_sqlite_store(uri: str) -> None:
     if not uri.startswith("sqlite:///"):
         return
     db = Path(uri.removeprefix("sqlite:///"))
+    lock = Path(f"{db}.init-lock")
     try:
         db.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(f"{db}.init-lock", "a+")  # noqa: SIM115 (closed below)
+        lock.touch()
     except OSError as e:  # a read-only folder: nobody can migrate it; open it as it is
         log.debug("no lock beside %s (%s): opening it unlocked", db, e)
         return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _flocked(lock):
+        MlflowClient(uri, uri).search_experiments(max_results=1)  # runs the migrations
+
+
+@contextlib.contextmanager
+def _flocked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (made if missing), held for the block."""
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            MlflowClient(uri, uri).search_experiments(max_results=1)  # runs the migrations
+            yield
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def ensure_experiment(name: str, settings: Settings | None = None) -> str:
@@ -194,12 +204,8 @@ def promote_champion(
     client = client or MlflowClient()
     lock_dir = lock_dir or get_settings().home
     lock_dir.mkdir(parents=True, exist_ok=True)
-    with open(lock_dir / f"champion-{name}.lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            return _promote(name, version, metric, client)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with _flocked(lock_dir / f"champion-{name}.lock"):
+        return _promote(name, version, metric, client)
 
 
 def _promote(name: str, version: str, metric: str, client: MlflowClient) -> bool:

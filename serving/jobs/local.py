@@ -39,13 +39,19 @@ log = logging.getLogger(__name__)
 
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, ppid, ...), or None
+    if the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _proc_start(pid: int) -> str | None:
     """Kernel start time of ``pid`` (guards against pid reuse), or None if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22: starttime
+    stat = _stat(pid)
+    return stat[19] if stat is not None else None  # field 22: starttime (index 19 here)
 
 
 def alive(pid: int, start: str | None) -> bool:
@@ -56,19 +62,8 @@ def alive(pid: int, start: str | None) -> bool:
         return False
     except PermissionError:
         pass
-    now = _proc_start(pid)
-    if now is None:
-        return False
-    with_state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    return with_state != "Z" and (start is None or now == start)
-
-
-def parent_of(pid: int) -> int | None:
-    """``pid``'s parent process id (None: the process is gone)."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z" and (start is None or stat[19] == start)
 
 
 def signal_group(pid: int, sig: signal.Signals) -> None:
@@ -156,11 +151,11 @@ class LocalExecutor:
         # sibling that led before, now following only its own attempts). Once that process
         # is gone its attempts are re-parented to init (or a subreaper): then no longer.
         # (a zombie counts: an attempt that just ended, its end not yet read by its parent)
-        if job.id in self.procs or job.pid is None or _proc_start(job.pid) is None \
-                or (job.pid_start is not None and _proc_start(job.pid) != job.pid_start):
+        stat = _stat(job.pid) if job.pid is not None else None
+        if job.id in self.procs or stat is None or job.pid_start not in (None, stat[19]):
             return False
-        parent = parent_of(job.pid)
-        return parent is not None and parent not in (0, 1, os.getpid()) and alive(parent, None)
+        parent = int(stat[1])  # field 4: ppid
+        return parent not in (0, 1, os.getpid()) and alive(parent, None)
 
     def adopt(self, job: Job) -> bool:
         held = self.procs.get(job.id)

@@ -11,12 +11,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from serving.jobs import JobError, JobManager, JobState
+from serving.jobs import Job, JobError, JobManager, JobState
 from serving.jobs.local import LocalExecutor, local_command, signal_group
 from vit_service.config import Settings
 
@@ -407,11 +408,7 @@ def test_leading_again_keeps_the_handle_of_an_attempt_that_ended_meanwhile(
     job = mgr.submit("fake", {"steps": 3, "mode": "fail"})
     _wait(mgr, job.id, {JobState.running})
     mgr.step_down()
-    pid = mgr.executor.procs[job.id].pid
-    t0 = time.monotonic()
-    while Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z":
-        assert time.monotonic() - t0 < 20, "the attempt did not end"
-        time.sleep(0.05)  # ended, not reaped: only its handle knows the exit code
+    _until_ended_unreaped(mgr.executor.procs[job.id].pid)  # only its handle has the exit
     mgr.start()
     try:
         _wait(mgr, job.id, {JobState.failed, JobState.succeeded})
@@ -443,19 +440,23 @@ time.sleep(120)
 """
 
 
-def test_a_sibling_processs_attempt_is_left_to_it_until_nobody_renews_its_lease(
-        settings: Settings) -> None:
-    """Two API processes of one host (`--workers N` on PostgreSQL, one host id): the one that
-    led started an attempt and, having stepped down, still follows it. The new leader leaves
-    it to that process while its lease is renewed (two followers would race to record its
-    end, the one without its handle with no exit code); once that process is gone and the
-    lease ran out, the leader adopts the attempt, and settles it when it ends."""
+def _until_ended_unreaped(pid: int) -> None:
+    """Wait until ``pid`` has ended and its parent has not read its end (a zombie)."""
+    t0 = time.monotonic()
+    while Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z":
+        assert time.monotonic() - t0 < 20, "the attempt did not end"
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _siblings_attempt(mgr: JobManager, code: str) -> Iterator[tuple[Job, int, subprocess.Popen]]:
+    """A running job of this host whose attempt (``python -c code``) was started by another
+    live process (LAUNCHER, standing in for a sibling API process), its lease just renewed.
+    Yields (job, the attempt's pid, the launcher); both processes are killed after."""
     from serving.jobs.local import _proc_start
     from serving.jobs.store import utcnow
 
-    settings = settings.model_copy(update={"jobs_lease_s": 5.0})
-    mgr = _manager(settings)
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, "import time; time.sleep(120)"],
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, code],
                                 stdout=subprocess.PIPE, text=True)
     child = 0
     try:
@@ -464,6 +465,26 @@ def test_a_sibling_processs_attempt_is_left_to_it_until_nobody_renews_its_lease(
         mgr.store.update(job.id, state=JobState.running, host=mgr.host, executor="local",
                          pid=child, pid_start=_proc_start(child), started_at=utcnow(),
                          heartbeat_at=utcnow())
+        yield mgr.get(job.id), child, launcher
+    finally:
+        launcher.kill()
+        launcher.wait()
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+
+
+def test_a_sibling_processs_attempt_is_left_to_it_until_nobody_renews_its_lease(
+        settings: Settings) -> None:
+    """Two API processes of one host (`--workers N` on PostgreSQL, one host id): the one that
+    led started an attempt and, having stepped down, still follows it. The new leader leaves
+    it to that process while its lease is renewed (two followers would race to record its
+    end, the one without its handle with no exit code); once that process is gone and the
+    lease ran out, the leader adopts the attempt, and settles it when it ends."""
+    from serving.jobs.store import utcnow
+
+    mgr = _manager(settings.model_copy(update={"jobs_lease_s": 5.0}))
+    with _siblings_attempt(mgr, "import time; time.sleep(120)") as (job, child, launcher):
         assert mgr.executor.followed_elsewhere(mgr.get(job.id))
         assert mgr.recover() == set() and job.id not in mgr.executor.procs
         mgr.tick()  # the leader's pass: the lease is fresh, so still the sibling's
@@ -479,11 +500,6 @@ def test_a_sibling_processs_attempt_is_left_to_it_until_nobody_renews_its_lease(
         _wait(mgr, job.id, {JobState.failed, JobState.succeeded})
         done = mgr.get(job.id)
         assert done.state == JobState.failed and "exit status unknown" in done.reason, done
-    finally:
-        launcher.kill()
-        if child:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
 
 
 def test_a_siblings_attempt_that_just_ended_is_left_for_it_to_record(
@@ -491,26 +507,9 @@ def test_a_siblings_attempt_that_just_ended_is_left_for_it_to_record(
     """The sibling's attempt has ended and the sibling has not read its end yet (a zombie,
     its exit code waiting in its parent): the new leader must not settle it from its log
     ("exit status unknown") before the sibling records the real exit code."""
-    from serving.jobs.local import _proc_start
-    from serving.jobs.store import utcnow
-
     mgr = _manager(settings.model_copy(update={"jobs_lease_s": 30.0}))
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, "raise SystemExit(3)"],
-                                stdout=subprocess.PIPE, text=True)
-    try:
-        child = int(launcher.stdout.readline())  # type: ignore[union-attr]
-        start = _proc_start(child)
-        job = mgr.submit("fake", {"steps": 2})
-        mgr.store.update(job.id, state=JobState.running, host=mgr.host, executor="local",
-                         pid=child, pid_start=start, started_at=utcnow(),
-                         heartbeat_at=utcnow())
-        t0 = time.monotonic()
-        while Path(f"/proc/{child}/stat").read_text().split(")")[-1].split()[0] != "Z":
-            assert time.monotonic() - t0 < 20, "the attempt did not end"
-            time.sleep(0.05)
+    with _siblings_attempt(mgr, "raise SystemExit(3)") as (job, child, _):
+        _until_ended_unreaped(child)
         assert mgr.executor.followed_elsewhere(mgr.get(job.id))
         assert mgr.recover() == set()
         assert mgr.get(job.id).state == JobState.running
-    finally:
-        launcher.kill()
-        launcher.wait()
