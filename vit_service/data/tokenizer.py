@@ -42,6 +42,18 @@ def head_tail_cut(n: int, budget: int) -> tuple[int, int]:
     return head, budget - head
 
 
+def renumber_pieces(tok: Tokenizer) -> None:
+    """Give ``tok``'s WordPiece model the ids: special tokens first (fixed), then the pieces in
+    sorted order. The trainer numbers pieces of equal rank in a different order from run to
+    run, so the same texts gave the same pieces under different ids, and a seed or a cache did
+    not reproduce a model. WordPiece segments by the set of pieces, so encodings keep their
+    pieces. (On tie-heavy toy corpora the trainer can also pick a different set.)"""
+    pieces = sorted(t for t in tok.get_vocab() if t not in SPECIAL_TOKENS)
+    vocab = {t: i for i, t in enumerate((*SPECIAL_TOKENS, *pieces))}
+    tok.model = models.WordPiece(vocab, unk_token=UNK, max_input_chars_per_word=100,
+                                 continuing_subword_prefix="##")
+
+
 def train_tokenizer(
     texts: Iterable[str], vocab_size: int = 8000, min_frequency: int = 2
 ) -> Tokenizer:
@@ -64,6 +76,7 @@ def train_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    renumber_pieces(tok)
     # For users of the raw tokenizer JSON: encode() adds [CLS] like TextTokenizer does.
     tok.post_processor = processors.TemplateProcessing(
         single=f"{CLS} $A",

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, normalizers
 
 from vit_service.data import SPECIAL_TOKENS, TextTokenizer, train_tokenizer
+from vit_service.data.tokenizer import renumber_pieces
 
 WORDS = (
     "the movie film was great terrible acting plot story actor director scene music "
@@ -156,3 +157,31 @@ def test_head_tail_truncation_keeps_the_start_and_the_end(tok) -> None:
     assert short.truncated == [False] and short.pieces == tok.encode_batch(["w1 w2"], 17).pieces
     with pytest.raises(ValueError, match="truncation"):
         tok.encode_batch([text], 17, truncation="middle")  # type: ignore[arg-type]
+
+
+
+def test_ids_are_the_sorted_pieces_and_segment_as_trained(corpus) -> None:
+    """The trainer numbers equal-ranked pieces differently from run to run; the ids are
+    renumbered (specials, then the pieces sorted) so the same piece set always gives the same
+    ids, and the renumbering leaves every segmentation as the trainer's model made it."""
+    from tokenizers import models, pre_tokenizers, trainers
+
+    vocab = TextTokenizer.train(corpus, vocab_size=200, min_frequency=2).tokenizer.get_vocab()
+    pieces = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    assert pieces[: len(SPECIAL_TOKENS)] == list(SPECIAL_TOKENS)
+    assert pieces[len(SPECIAL_TOKENS):] == sorted(pieces[len(SPECIAL_TOKENS):])
+
+    raw = Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100))
+    raw.normalizer = normalizers.Lowercase()
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.train_from_iterator(corpus, trainer=trainers.WordPieceTrainer(
+        vocab_size=200, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+        continuing_subword_prefix="##", show_progress=False))
+    renumbered = Tokenizer.from_str(raw.to_str())
+    renumber_pieces(renumbered)
+    assert set(renumbered.get_vocab()) == set(raw.get_vocab())
+    assert renumbered.get_vocab() != raw.get_vocab()  # the trainer's own order is not sorted
+    for t in [*corpus, "an unseen wordd, and the zzz film!"]:
+        a, b = raw.encode(t), renumbered.encode(t)
+        assert a.tokens == b.tokens
+        assert b.ids == [renumbered.token_to_id(p) for p in a.tokens]
