@@ -121,6 +121,7 @@ class BatchArrays:
         self.layers = _Arrays(maps.layers if maps else None)
         self.heads = _Arrays(maps.heads if maps else None)
         self.relevance = _Arrays(res.relevance)
+        self.ngram = _Arrays(res.ngram)
 
     def attention(self, row: int, job: Job, n: int | None = None) -> dict[str, Any]:
         """The arrays of an :class:`ImageAttention` / :class:`TextAttention`."""
@@ -212,8 +213,9 @@ class TextCodec:
         attention = None
         if res.maps is not None:
             n = int(ctx.lengths[row]) - 1  # real tokens after [CLS]
-            attention = TextAttention.model_construct(**arrays.attention(row, job, n),
-                                                      target=_target(res, row, names))
+            attention = TextAttention.model_construct(
+                **arrays.attention(row, job, n), ngram=arrays.ngram.row(row, job.f16, n),
+                target=_target(res, row, names))
         return TextResult.model_construct(
             predictions=predictions(res.probs[row], job.top_k, names),
             tokens=ctx.enc.tokens(row)[1:], truncated=bool(ctx.enc.truncated[row]),

@@ -61,7 +61,7 @@ def build_spec(
 
 
 def check_explain_size(spec: ExplainSpec, n: int, limit: int, what: str) -> None:
-    """Relevance and faithfulness cost a backward pass / ~55 forwards per item: cap them."""
+    """Relevance and faithfulness cost a backward pass / ~55-73 forwards per item: cap them."""
     if (spec.relevance or spec.faithfulness) and n > limit:
         raise InvalidRequestError(f"at most {limit} {what} per request with attention=relevance "
                                   f"or faithfulness=true (got {n}); split the request")

@@ -81,7 +81,8 @@ class Faithfulness(BaseModel):
     fractions: list[float] = Field(description="share of patches/tokens removed or revealed")
     removal: Literal["mean_colour", "attention_mask"]
     maps: dict[str, FaithfulnessCurve] = Field(
-        description="per map (rollout, relevance if asked for) and `random`, the reference")
+        description="per map (rollout, relevance if asked for, ngram for a text model with an "
+        "n-gram head) and `random`, the reference")
     deletion_ratio: dict[str, float] = Field(
         description="each map's deletion AUC / random's: below 1 beats chance, lower is better")
     most_faithful: str = Field(
@@ -194,7 +195,7 @@ class TextPredictRequest(BaseModel):
 
 class TextAttention(BaseModel):
     """Maps of the [CLS] token over the text's tokens (aligned with ``tokens``; [CLS] and
-    padding excluded); every map sums to 1."""
+    padding excluded); every attention map sums to 1 (``ngram`` is a signed share of a logit)."""
 
     rollout: list[float] | EncodedArray
     layers: list[list[float]] | EncodedArray = Field(
@@ -205,7 +206,14 @@ class TextAttention(BaseModel):
     relevance: list[float] | EncodedArray | None = Field(
         None, description="gradient-weighted relevance for `target`; only with "
         "attention=relevance")
-    target: ClassRef | None = Field(None, description="the class relevance explains")
+    ngram: list[float] | EncodedArray | None = Field(
+        None, description="for a model with an n-gram head (whose logits the served ones "
+        "average with the Transformer's): each token's share of `target`'s served logit that "
+        "comes from the head, exact and signed (positive: for `target`); each distinct n-gram's "
+        "weight counted once and split over its tokens. With the head's bias and [CLS]'s "
+        "share, they sum to the head's half of the logit. Not a distribution: it does not sum "
+        "to 1. Null for models without the head")
+    target: ClassRef | None = Field(None, description="the class relevance and ngram explain")
 
 
 class TextResult(BaseModel):

@@ -2,7 +2,7 @@
 n-gram features scaled by their naive-Bayes log-count ratios), fitted in seconds on a run's
 labelled train part, in two uses: the n-gram teacher of ``data.pseudo_labels: ngram`` (word
 unigrams and bigrams, labels the unlabelled reviews, not saved) and the weights of a text
-model's :class:`~vit_service.models.text.NgramHead` (its own tokens and hashed token pairs,
+model's :class:`~vit_service.models.text.NgramHead` (its own tokens and hashed token n-grams,
 served with the model; ``model.overrides.ngram_head_buckets``).
 
 Why a linear teacher for a Transformer student: on IMDb it is more accurate than
@@ -114,7 +114,7 @@ def token_ngrams(head: NgramHead, ids: Tensor, lengths: Tensor, chunk: int = 102
     for s in range(0, len(ids), chunk):
         lens = lengths[s : s + chunk].to(ids.device)
         T = int(lens.max())
-        f = head.features(ids[s : s + chunk, :T], padding_mask(lens, T)).cpu()  # (b, 2T)
+        f = head.features(ids[s : s + chunk, :T], padding_mask(lens, T)).cpu()  # (b, nT)
         r, c = (f >= 0).nonzero(as_tuple=True)
         rows.append(r.numpy() + s)
         cols.append(f[r, c].numpy())

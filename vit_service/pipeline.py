@@ -129,6 +129,9 @@ class ImageInputs:
         _, gw = model_grid(model) or (1, 1)
         return image_probs_fn(model, self.x[rows], target, self.x.shape[-1] // gw)
 
+    def ngram_shares(self, model: nn.Module, explained: Tensor) -> Tensor | None:
+        return None
+
 
 @dataclass(frozen=True)
 class TextInputs:
@@ -155,6 +158,16 @@ class TextInputs:
         return text_probs_fn(model, self.ids[rows], self.mask[rows], target,
                              getattr(model, "num_prefix_tokens", 1))
 
+    def ngram_shares(self, model: nn.Module, explained: Tensor) -> Tensor | None:
+        """``(B, N)``: each token's share (after the prefix) of the served logit of the class
+        ``explained`` ``(B,)`` that comes from the model's n-gram head; None without one."""
+        fn = getattr(model, "ngram_contributions", None)
+        shares = fn(self.ids, self.mask) if fn is not None else None  # (B, T, K)
+        if shares is None:
+            return None
+        index = explained[:, None, None].expand(-1, shares.shape[1], 1)  # (B, T, 1)
+        return shares.gather(2, index)[..., 0][:, getattr(model, "num_prefix_tokens", 1):]
+
 
 Inputs = ImageInputs | TextInputs
 
@@ -165,13 +178,15 @@ Inputs = ImageInputs | TextInputs
 @dataclass
 class ExplainResult:
     """One batch explained: probabilities ``(B, K)``, maps (None on the fused path), relevance
-    ``(B, *S)`` and its explained class per row ``(B,)`` (None without it), and faithfulness
-    by row for the rows that asked for it."""
+    ``(B, *S)``, the n-gram head's shares ``(B, N)`` (with maps, for a text model with the
+    head), the class those two explain per row ``(B,)`` (None without either), and
+    faithfulness by row for the rows that asked for it."""
 
     probs: Tensor
     maps: AttentionMaps | None
     relevance: Tensor | None
     target: Tensor | None
+    ngram: Tensor | None = None
     faithfulness: dict[int, FaithfulnessSummary] = field(default_factory=dict)
 
 
@@ -222,14 +237,15 @@ def explain_batch(
         maps = None if attn is None else compute_attention_maps(
             attn, attention_mask=mask, grid=grid, with_heads=any(s.heads for s in specs),
             query=query)
-        if maps is not None:
-            lap("maps")
-    result = ExplainResult(probs, maps, rel, target)
-    rows = [r for r, s in enumerate(specs) if s.faithfulness]
-    if rows and maps is not None:
         # the class followed: relevance's target, else the requested one, else the predicted
         explained = target if target is not None else torch.where(
-            requested < 0, probs.argmax(-1), requested)
+            requested < 0, probs.argmax(-1), requested)  # (B,)
+        ngram = None if maps is None else inputs.ngram_shares(model, explained)  # (B, N)
+        if maps is not None:
+            lap("maps")
+    result = ExplainResult(probs, maps, rel, target if ngram is None else explained, ngram)
+    rows = [r for r, s in enumerate(specs) if s.faithfulness]
+    if rows and maps is not None:
         result.faithfulness = _faithfulness(model, inputs, result, rows, explained[rows],
                                             fwd.execution)
         lap("faithfulness")
@@ -244,6 +260,8 @@ def _faithfulness(model: nn.Module, inputs: Inputs, res: ExplainResult, rows: li
     maps = {"rollout": res.maps.rollout[rows].reshape(len(rows), -1)}  # each (n, N)
     if res.relevance is not None:
         maps["relevance"] = res.relevance[rows].reshape(len(rows), -1)
+    if res.ngram is not None:
+        maps["ngram"] = res.ngram[rows]
     with torch.inference_mode(), execution.applied(model):
         curves = faithfulness_curves(maps, inputs.valid(model)[rows],
                                      inputs.probs_fn(model, rows, target), p_full)

@@ -125,6 +125,8 @@ def estimate_parameters(cfg: Any) -> int:
     n += int(getattr(cfg, "vocab_size", 0)) * d + int(getattr(cfg, "max_len", 0)) * d
     buckets, width = int(getattr(cfg, "bigram_buckets", 0)), int(getattr(cfg, "bigram_dim", 0))
     n += buckets * (width or d) + (width * d if width else 0)
+    # an n-gram head's weights are buffers, not parameters, but take memory all the same
+    n += (int(getattr(cfg, "vocab_size", 0)) + int(getattr(cfg, "ngram_head_buckets", 0))) * 2
     patch = int(getattr(cfg, "patch_size", 0))
     n += int(getattr(cfg, "in_chans", 0)) * patch * patch * d
     if getattr(cfg, "img_size", 0) and patch:

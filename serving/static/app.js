@@ -171,7 +171,7 @@ function draw() {
 function drawFaithfulness(box, faith, view, what) {
   if (!faith) { box.hidden = true; return; }
   box.hidden = false;
-  const name = view === "relevance" ? "relevance" : view === "rollout" ? "rollout" : null;
+  const name = ["relevance", "rollout", "ngram"].includes(view) ? view : null;
   const W = 320, H = 130, L = 34, B = 22, T = 8, R = 8;
   const x = (f) => L + f * (W - L - R), y = (p) => T + (1 - p) * (H - T - B);
   const path = (pts) => pts.map((p, i) => `${i ? "L" : "M"}${x(faith.fractions[i]).toFixed(1)},${y(p).toFixed(1)}`).join(" ");
@@ -187,7 +187,7 @@ function drawFaithfulness(box, faith, view, what) {
     text = `${name}: deletion AUC <b>${m.deletion_auc.toFixed(3)}</b> vs random ${faith.maps.random.deletion_auc.toFixed(3)} ` +
       `(ratio ${faith.deletion_ratio[name].toFixed(2)}, lower is better) · most faithful here: ${faith.most_faithful}`;
   } else {
-    text += " · curves are computed for rollout and relevance";
+    text += " · curves are computed for rollout, relevance and the n-gram head";
   }
   box.innerHTML = svg + `</svg><div class="muted">${text}</div>`;
   box.dataset.map = name || "";
@@ -199,9 +199,10 @@ function renderPreds(list, preds) {
     .join("");
 }
 
-function fillViews(sel, layers, heads, relevance) {
+function fillViews(sel, layers, heads, relevance, ngram) {
   let html = '<option value="rollout">rollout</option>';
   if (relevance) html += '<option value="relevance">relevance (gradient-weighted)</option>';
+  if (ngram) html += '<option value="ngram">n-gram head (signed share of the logit)</option>';
   layers.forEach((_, l) => (html += `<option value="layer:${l}">layer ${l + 1} (mean of heads)</option>`));
   (heads || []).forEach((hs, l) => hs.forEach((_, h) => (html += `<option value="head:${l}:${h}">layer ${l + 1}, head ${h + 1}</option>`)));
   sel.innerHTML = html;
@@ -255,9 +256,11 @@ function renderTokens() {
   if (v === "relevance") w = r.attention.relevance;
   if (v.startsWith("layer:")) w = r.attention.layers[Number(v.split(":")[1])];
   if (v.startsWith("head:")) { const [, l, h] = v.split(":").map(Number); w = r.attention.heads[l][h]; }
-  const hi = Math.max(...w, 1e-9);
+  if (v === "ngram") w = r.attention.ngram; // signed: blue for the class explained, red against
+  const hi = Math.max(...w.map(Math.abs), 1e-9);
+  const colour = (x) => (x >= 0 ? `rgba(47,111,237,${(x / hi).toFixed(3)})` : `rgba(220,38,38,${(-x / hi).toFixed(3)})`);
   $("#tokens").innerHTML = r.tokens
-    .map((t, i) => `<span title="${w[i].toFixed(4)}" style="background: rgba(47,111,237,${(w[i] / hi).toFixed(3)})">${esc(t)}</span>`)
+    .map((t, i) => `<span title="${w[i].toFixed(4)}" style="background: ${colour(w[i])}">${esc(t)}</span>`)
     .join("") + (r.truncated ? ' <em class="muted">(truncated to the model\'s max length)</em>' : "");
   drawFaithfulness($("#text-faith"), r.faithfulness, v, "tokens");
 }
@@ -271,7 +274,7 @@ $("#classify").addEventListener("click", async () => {
     state.textResult = out.results[0];
     renderPreds($("#text-preds"), state.textResult.predictions);
     const a = state.textResult.attention;
-    fillViews($("#text-attn-view"), a.layers, a.heads, a.relevance);
+    fillViews($("#text-attn-view"), a.layers, a.heads, a.relevance, a.ngram);
     renderTokens();
   } catch (e) {
     showError("Prediction failed — " + e.message);

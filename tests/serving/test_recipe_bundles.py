@@ -126,7 +126,8 @@ def _check_explained(res: dict) -> None:
     assert roll.min() >= 0 and roll.sum() == pytest.approx(1.0, abs=1e-4)
     assert rel.shape == roll.shape
     f = res["faithfulness"]
-    assert set(f["maps"]) == {"rollout", "relevance", "random"}
+    head = {"ngram"} if att.get("ngram") is not None else set()  # text with an n-gram head
+    assert set(f["maps"]) == {"rollout", "relevance", "random"} | head
     for curve in f["maps"].values():
         assert len(curve["deletion"]) == len(curve["insertion"]) == 11
         assert all(np.isfinite(curve["deletion"])) and all(np.isfinite(curve["insertion"]))
@@ -215,3 +216,18 @@ def test_a_shipped_ngram_head_is_fitted_saved_and_in_the_served_logits(
         np.testing.assert_allclose([got[i] for i in range(len(want))], want, atol=2e-2)
         assert not np.allclose(torch.softmax(alone, 1)[0].numpy(),
                                torch.softmax(logits, 1)[0].numpy(), atol=1e-3)
+
+        # the explanation shows the head's share of the logit token by token, exactly
+        r = served.post("/v1/predict/text", json={"model": name, "text": text, "target": 0,
+                                                   "attention": "relevance"})
+        assert r.status_code == 200, r.text
+        att = r.json()["results"][0]["attention"]
+        assert att["target"]["index"] == 0
+        shares = np.array(att["ngram"])
+        assert len(shares) == len(r.json()["results"][0]["tokens"]) and (shares != 0).any()
+        with torch.no_grad():
+            c = b.model.ngram_contributions(enc.input_ids, enc.attention_mask)[0, :, 0]  # (T,)
+            half = b.model.ngram_head(enc.input_ids, enc.attention_mask)[0, 0] / 2
+        np.testing.assert_allclose(shares, c[1:].numpy(), atol=1e-5)
+        assert shares.sum() + float(c[0]) + float(b.model.ngram_head.bias[0]) / 2 == \
+            pytest.approx(float(half), abs=1e-4)

@@ -47,7 +47,13 @@ class TextConfig:
     bigram_dim: int = 0  # width of the bigram table, projected to D; 0: D, no projection
     # (a narrow table holds more buckets, i.e. fewer hash collisions, for the same cost)
     ngram_head_buckets: int = 0  # >0: average (in eval mode) the logits with NgramHead's, a
-    # linear model of the distinct tokens and (this many) hashed pair buckets fitted apart
+    # linear model of the distinct tokens and (this many) hashed n-gram buckets fitted apart
+    ngram_head_order: int = 2  # longest n-gram of the head: 2 (pairs take every bucket) or 3
+    # (pairs take half, token triples the other half)
+
+    def __post_init__(self) -> None:  # a job's bad override is refused before it runs
+        if self.ngram_head_order not in (2, 3):
+            raise ValueError(f"ngram_head_order must be 2 or 3, got {self.ngram_head_order}")
 
 
 PAIR_MUL = (2_654_435_761, 40_503)  # multiplicative hash of a (previous, current) token pair
@@ -59,15 +65,19 @@ def pair_buckets(prev: Tensor, cur: Tensor, buckets: int) -> Tensor:
 
 
 class NgramHead(nn.Module):
-    """A linear model of the binary bag of uni+bigrams: ``logits (B, K)`` = the sum of the
-    weights of the distinct tokens and token pairs present, plus a bias. ``weight`` rows
-    ``0..V-1`` are the tokens, ``V..V+buckets-1`` the hashed pairs. The weights are buffers
+    """A linear model of the binary bag of n-grams: ``logits (B, K)`` = the sum of the weights
+    of the distinct tokens and token pairs (and triples, ``order`` 3) present, plus a bias.
+    ``weight`` rows ``0..V-1`` are the tokens, ``V..V+buckets-1`` the hashed n-grams (with
+    ``order`` 3: pairs in the first half, triples in the second). The weights are buffers
     (saved with the model, never updated by the optimiser): they are set by
     ``training.ngram_teacher.fit_ngram_head`` (NB-LR)."""
 
-    def __init__(self, vocab_size: int, buckets: int, num_classes: int) -> None:
+    def __init__(self, vocab_size: int, buckets: int, num_classes: int, order: int = 2) -> None:
         super().__init__()
-        self.vocab_size, self.buckets = vocab_size, buckets
+        if order not in (2, 3):
+            raise ValueError(f"ngram_head_order must be 2 or 3, got {order}")
+        self.vocab_size, self.buckets, self.order = vocab_size, buckets, order
+        self.pair_buckets = buckets if order == 2 else buckets // 2
         self.register_buffer("weight", torch.zeros(vocab_size + buckets, num_classes))
         self.register_buffer("bias", torch.zeros(num_classes))
 
@@ -75,22 +85,55 @@ class NgramHead(nn.Module):
     def num_features(self) -> int:
         return self.vocab_size + self.buckets
 
+    def position_features(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """``(B, order, T)``: the feature id of the n-gram of each length ending at each
+        position (row 0 the token, 1 the pair, 2 the triple); -1 where one of its tokens is
+        padding or masked out."""
+        ids, m = input_ids.long(), attention_mask
+        V = self.vocab_size
+        prev = F.pad(ids[:, :-1], (1, 0))  # (B, T)
+        pair_ok = F.pad(m[:, :-1], (1, 0), value=False) & m  # (B, T)
+        rows = [ids.masked_fill(~m, -1),
+                (V + pair_buckets(prev, ids, self.pair_buckets)).masked_fill(~pair_ok, -1)]
+        if self.order == 3:
+            prev2 = F.pad(ids[:, :-2], (2, 0))  # (B, T)
+            triple_ok = F.pad(m[:, :-2], (2, 0), value=False) & pair_ok
+            first_two = pair_buckets(prev2, prev, 2**31)  # < 2^31: the next product fits int64
+            triples = V + self.pair_buckets + pair_buckets(
+                first_two, ids, self.buckets - self.pair_buckets)
+            rows.append(triples.masked_fill(~triple_ok, -1))
+        return torch.stack(rows, 1)  # (B, order, T)
+
     def features(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """``(B, 2T)`` feature ids of each row's tokens and pairs of real tokens, each once
+        """``(B, order * T)`` feature ids of each row's n-grams of real tokens, each once
         (sorted); -1 fills the rest (padding, masked-out tokens, repeats)."""
-        ids = input_ids.long()
-        prev_ok = F.pad(attention_mask[:, :-1], (1, 0), value=False) & attention_mask  # (B, T)
-        pairs = self.vocab_size + pair_buckets(F.pad(ids[:, :-1], (1, 0)), ids, self.buckets)
-        f = torch.cat([ids.masked_fill(~attention_mask, -1),
-                       pairs.masked_fill(~prev_ok, -1)], 1)  # (B, 2T)
-        f = f.sort(1).values
-        repeat = F.pad(f[:, 1:] == f[:, :-1], (1, 0), value=False)  # (B, 2T)
+        f = self.position_features(input_ids, attention_mask).flatten(1).sort(1).values
+        repeat = F.pad(f[:, 1:] == f[:, :-1], (1, 0), value=False)  # (B, order * T)
         return f.masked_fill(repeat, -1)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        f = self.features(input_ids, attention_mask)  # (B, 2T)
-        w = self.weight[f.clamp_min(0)] * (f >= 0).unsqueeze(-1).to(self.weight.dtype)  # (B, 2T, K)
+        f = self.features(input_ids, attention_mask)  # (B, nT)
+        w = self.weight[f.clamp_min(0)] * (f >= 0).unsqueeze(-1).to(self.weight.dtype)  # (B, nT, K)
         return w.sum(1) + self.bias  # (B, K)
+
+    def contributions(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """``(B, T, K)``: each position's share of the logits, exactly: an n-gram's weight is
+        counted at its first occurrence and split evenly over its tokens, so the shares sum
+        over the positions to ``forward(...) - bias``."""
+        pf = self.position_features(input_ids, attention_mask)  # (B, n, T)
+        B, n, T = pf.shape
+        flat = pf.flatten(1)  # (B, nT)
+        s, where = flat.sort(dim=1, stable=True)  # equal ids keep their order: earliest first
+        first = (s >= 0) & ~F.pad(s[:, 1:] == s[:, :-1], (1, 0), value=False)  # (B, nT)
+        first = torch.zeros_like(first).scatter(1, where, first)  # back in position order
+        w = self.weight[flat.clamp_min(0)] * first.unsqueeze(-1).to(self.weight.dtype)
+        w = w.view(B, n, T, -1)  # (B, n, T, K): row k is the (k+1)-gram ending at t
+        out = torch.zeros(B, T, w.shape[-1], dtype=w.dtype, device=w.device)  # (B, T, K)
+        for k in range(n):
+            share = w[:, k] / (k + 1)
+            for j in range(k + 1):  # the (k+1)-gram ending at t covers t-k..t
+                out[:, : T - j] += share[:, j:]
+        return out
 
 
 class TextTransformer(nn.Module):
@@ -116,7 +159,8 @@ class TextTransformer(nn.Module):
         self.norm = nn.LayerNorm(c.embed_dim, eps=LN_EPS)
         self.head_drop = nn.Dropout(c.drop_rate)
         self.head = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes else nn.Identity()
-        self.ngram_head = (NgramHead(c.vocab_size, c.ngram_head_buckets, c.num_classes)
+        self.ngram_head = (NgramHead(c.vocab_size, c.ngram_head_buckets, c.num_classes,
+                                     c.ngram_head_order)
                            if c.ngram_head_buckets > 0 and c.num_classes else None)
         self._init_weights()
 
@@ -147,7 +191,8 @@ class TextTransformer(nn.Module):
         c = self.config
         c.num_classes = num_classes
         self.head = nn.Linear(c.embed_dim, num_classes) if num_classes else nn.Identity()
-        self.ngram_head = (NgramHead(c.vocab_size, c.ngram_head_buckets, num_classes)
+        self.ngram_head = (NgramHead(c.vocab_size, c.ngram_head_buckets, num_classes,
+                                     c.ngram_head_order)
                            if c.ngram_head_buckets > 0 and num_classes else None)
 
     def embed(self, input_ids: Tensor) -> Tensor:
@@ -205,6 +250,18 @@ class TextTransformer(nn.Module):
         if self.ngram_head is not None and not self.training:
             logits = (logits + self.ngram_head(input_ids, attention_mask)) / 2
         return logits
+
+    def ngram_contributions(self, input_ids: Tensor, attention_mask: Tensor | None = None
+                            ) -> Tensor | None:
+        """``(B, T, K)``: each token's share of the served logits that comes from the n-gram
+        head (half of :meth:`NgramHead.contributions`: the served logits are the mean of the
+        two models'); None without a head. A token's shares are its n-grams' weights, so they
+        read as "this word (with its neighbours) pushed the answer this way, this much"."""
+        if self.ngram_head is None:
+            return None
+        if attention_mask is None:
+            attention_mask = input_ids != self.config.pad_id
+        return self.ngram_head.contributions(input_ids, attention_mask) / 2
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         if attention_mask is None:

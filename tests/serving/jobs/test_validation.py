@@ -33,3 +33,18 @@ def test_a_bad_teacher_in_a_list_is_refused(tmp_path: Path, value: list, needle:
     with pytest.raises(JobError) as e:
         resolve_paths({"data.pseudo_labels": value}, [tmp_path])
     assert e.value.status == 422 and needle in str(e.value.detail)
+
+
+def test_model_size_counts_the_ngram_head_and_refuses_a_bad_order() -> None:
+    """The n-gram head's weights are buffers the parameter count misses: a job asking for a
+    huge head is refused before it allocates, and an unknown head order before it runs."""
+    from serving.jobs.validation import check_model_size, validate_recipe
+
+    check_model_size("imdb-selftrain-cpu", {}, 60_000_000)
+    huge = {"model.overrides.ngram_head_buckets": 2**30}
+    with pytest.raises(JobError) as e:
+        check_model_size("imdb-selftrain-cpu", huge, 60_000_000)
+    assert e.value.status == 422 and "parameters" in str(e.value.detail)
+    with pytest.raises(JobError) as e:
+        validate_recipe("imdb-selftrain-cpu", {"model.overrides.ngram_head_order": 4})
+    assert e.value.status == 422 and "ngram_head_order" in str(e.value.detail)

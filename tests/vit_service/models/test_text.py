@@ -96,9 +96,10 @@ def test_bigrams_see_word_order_and_keep_padding_invariance() -> None:
         torch.testing.assert_close(m(padded), m(ids), atol=1e-5, rtol=0)
 
 
-def _with_ngram_head(buckets: int = 97) -> torch.nn.Module:
+def _with_ngram_head(buckets: int = 97, order: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
-    m = create_model("text_test", pool="mean", ngram_head_buckets=buckets).eval()
+    m = create_model("text_test", pool="mean", ngram_head_buckets=buckets,
+                     ngram_head_order=order).eval()
     with torch.no_grad():  # zero until a run fits it: give every feature a weight
         m.ngram_head.weight.normal_(0.0, 1.0)
         m.ngram_head.bias.normal_(0.0, 1.0)
@@ -164,3 +165,60 @@ def test_the_ngram_head_counts_in_eval_mode_only() -> None:
         served = m(ids)
         trained = m.train()(ids)
         torch.testing.assert_close(served, (trained + m.ngram_head(ids, ids != 0)) / 2)
+
+
+def _triple_feature(V: int, a: int, b: int, c: int, buckets: int) -> int:
+    t = torch.tensor
+    first_two = pair_buckets(t(a), t(b), 2**31)
+    return V + buckets // 2 + int(pair_buckets(first_two, t(c), buckets - buckets // 2))
+
+
+def test_an_order_3_head_adds_each_distinct_triple_once_in_its_half_of_the_buckets() -> None:
+    m = _with_ngram_head(buckets=101, order=3)
+    head, V = m.ngram_head, m.config.vocab_size
+    ids = torch.tensor([[2, 10, 11, 12, 10, 11, 12, 13, 0]])  # (10, 11, 12) twice, padding
+    mask = ids != 0
+    t = torch.tensor
+    pairs = {V + int(pair_buckets(t(a), t(b), 50))
+             for a, b in [(2, 10), (10, 11), (11, 12), (12, 10), (12, 13)]}
+    triples = {_triple_feature(V, a, b, c, 101) for a, b, c in
+               [(2, 10, 11), (10, 11, 12), (11, 12, 10), (12, 10, 11), (11, 12, 13)]}
+    assert all(V <= f < V + 50 for f in pairs) and all(V + 50 <= f < V + 101 for f in triples)
+    feats = {2, 10, 11, 12, 13} | pairs | triples
+    with torch.no_grad():
+        got = head.features(ids, mask)[0]
+        assert sorted(got[got >= 0].tolist()) == sorted(feats)
+        torch.testing.assert_close(head(ids, mask)[0], head.weight[sorted(feats)].sum(0)
+                                   + head.bias)
+        # a masked-out token breaks every pair and triple across it
+        gap = torch.tensor([[True, True, True, False, True, True, True, True, False]])
+        f = head.features(ids, gap)[0]
+        assert _triple_feature(V, 10, 11, 12, 101) in f.tolist()  # the second occurrence
+        assert _triple_feature(V, 11, 12, 10, 101) not in f.tolist()
+    with pytest.raises(ValueError, match="ngram_head_order"):
+        create_model("text_test", ngram_head_buckets=97, ngram_head_order=4)
+
+
+@pytest.mark.parametrize("order", [2, 3])
+def test_ngram_contributions_split_each_ngram_over_its_tokens_and_sum_to_the_head(order: int
+                                                                                 ) -> None:
+    m = _with_ngram_head(buckets=101, order=order)
+    head, V = m.ngram_head, m.config.vocab_size
+    ids = torch.tensor([[2, 10, 11, 10, 11, 12, 0, 0], [2, 14, 15, 16, 17, 18, 19, 20]])
+    mask = ids != 0
+    mask[1, 4] = False  # masked out (as faithfulness deletes): no share, its n-grams gone
+    with torch.no_grad():
+        c = head.contributions(ids, mask)  # (B, T, K)
+        torch.testing.assert_close(c.sum(1), head(ids, mask) - head.bias)
+        assert not c[0, 6:].any() and not c[1, 4].any()  # padding, the masked token
+        # the second (10, 11) repeats: 11 at position 4 gets only the pair (11, 12)'s share
+        # (and, with triples, a third of (10, 11, 12) and (11, 12, ...)); the first 11 got
+        # its unigram weight and half of each pair around it
+        w = head.weight
+        p = lambda a, b: V + int(pair_buckets(torch.tensor(a), torch.tensor(b),  # noqa: E731
+                                              head.pair_buckets))
+        if order == 2:
+            torch.testing.assert_close(c[0, 4], w[p(11, 12)] / 2)
+            torch.testing.assert_close(c[0, 2], w[11] + (w[p(10, 11)] + w[p(11, 10)]) / 2)
+        torch.testing.assert_close(m.ngram_contributions(ids, mask), c / 2)
+    assert create_model("text_test").ngram_contributions(ids) is None
