@@ -95,9 +95,10 @@ class NgramHead(nn.Module):
         pair_ok = F.pad(m[:, :-1], (1, 0), value=False) & m  # (B, T)
         rows = [ids.masked_fill(~m, -1),
                 (V + pair_buckets(prev, ids, self.pair_buckets)).masked_fill(~pair_ok, -1)]
-        if self.order == 3:
-            prev2 = F.pad(ids[:, :-2], (2, 0))  # (B, T)
-            triple_ok = F.pad(m[:, :-2], (2, 0), value=False) & pair_ok
+        if self.order == 3:  # (padding first, then cut: a [CLS]-only row has T = 1)
+            T = ids.shape[1]
+            prev2 = F.pad(ids, (2, 0))[:, :T]  # (B, T)
+            triple_ok = F.pad(m, (2, 0), value=False)[:, :T] & pair_ok
             first_two = pair_buckets(prev2, prev, 2**31)  # < 2^31: the next product fits int64
             triples = V + self.pair_buckets + pair_buckets(
                 first_two, ids, self.buckets - self.pair_buckets)

@@ -195,6 +195,11 @@ def test_an_order_3_head_adds_each_distinct_triple_once_in_its_half_of_the_bucke
         f = head.features(ids, gap)[0]
         assert _triple_feature(V, 10, 11, 12, 101) in f.tolist()  # the second occurrence
         assert _triple_feature(V, 11, 12, 10, 101) not in f.tolist()
+        # a text that encodes to no piece is [CLS] alone: one token, no pair, no triple
+        cls_only = torch.tensor([[2]])
+        torch.testing.assert_close(head(cls_only, cls_only != 0)[0], head.weight[2] + head.bias)
+        torch.testing.assert_close(head.contributions(cls_only, cls_only != 0)[0, 0],
+                                   head.weight[2])
     with pytest.raises(ValueError, match="ngram_head_order"):
         create_model("text_test", ngram_head_buckets=97, ngram_head_order=4)
 
