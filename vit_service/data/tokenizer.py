@@ -50,8 +50,10 @@ def renumber_pieces(tok: Tokenizer) -> None:
     pieces. (On tie-heavy toy corpora the trainer can also pick a different set.)"""
     pieces = sorted(t for t in tok.get_vocab() if t not in SPECIAL_TOKENS)
     vocab = {t: i for i, t in enumerate((*SPECIAL_TOKENS, *pieces))}
-    tok.model = models.WordPiece(vocab, unk_token=UNK, max_input_chars_per_word=100,
-                                 continuing_subword_prefix="##")
+    old = tok.model  # the same settings, only the ids change
+    tok.model = models.WordPiece(vocab, unk_token=old.unk_token,
+                                 max_input_chars_per_word=old.max_input_chars_per_word,
+                                 continuing_subword_prefix=old.continuing_subword_prefix)
 
 
 def train_tokenizer(

@@ -52,8 +52,12 @@ class TextConfig:
     # (pairs take half, token triples the other half)
 
     def __post_init__(self) -> None:  # a job's bad override is refused before it runs
-        if self.ngram_head_order not in (2, 3):
-            raise ValueError(f"ngram_head_order must be 2 or 3, got {self.ngram_head_order}")
+        check_ngram_order(self.ngram_head_order)
+
+
+def check_ngram_order(order: int) -> None:
+    if order not in (2, 3):
+        raise ValueError(f"ngram_head_order must be 2 or 3, got {order}")
 
 
 PAIR_MUL = (2_654_435_761, 40_503)  # multiplicative hash of a (previous, current) token pair
@@ -62,6 +66,11 @@ PAIR_MUL = (2_654_435_761, 40_503)  # multiplicative hash of a (previous, curren
 def pair_buckets(prev: Tensor, cur: Tensor, buckets: int) -> Tensor:
     """Bucket of each (previous, current) id pair; int64 products stay < 2^63 for ids < 2^31."""
     return (prev.long() * PAIR_MUL[0] + cur.long() * PAIR_MUL[1]).remainder(buckets)
+
+
+def _repeats(f: Tensor) -> Tensor:
+    """``(B, L)``: True where a row of sorted ids ``f`` ``(B, L)`` repeats its left neighbour."""
+    return F.pad(f[:, 1:] == f[:, :-1], (1, 0), value=False)
 
 
 class NgramHead(nn.Module):
@@ -74,8 +83,7 @@ class NgramHead(nn.Module):
 
     def __init__(self, vocab_size: int, buckets: int, num_classes: int, order: int = 2) -> None:
         super().__init__()
-        if order not in (2, 3):
-            raise ValueError(f"ngram_head_order must be 2 or 3, got {order}")
+        check_ngram_order(order)
         self.vocab_size, self.buckets, self.order = vocab_size, buckets, order
         self.pair_buckets = buckets if order == 2 else buckets // 2
         self.register_buffer("weight", torch.zeros(vocab_size + buckets, num_classes))
@@ -109,8 +117,7 @@ class NgramHead(nn.Module):
         """``(B, order * T)`` feature ids of each row's n-grams of real tokens, each once
         (sorted); -1 fills the rest (padding, masked-out tokens, repeats)."""
         f = self.position_features(input_ids, attention_mask).flatten(1).sort(1).values
-        repeat = F.pad(f[:, 1:] == f[:, :-1], (1, 0), value=False)  # (B, order * T)
-        return f.masked_fill(repeat, -1)
+        return f.masked_fill(_repeats(f), -1)  # (B, order * T)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         f = self.features(input_ids, attention_mask)  # (B, nT)
@@ -125,7 +132,7 @@ class NgramHead(nn.Module):
         B, n, T = pf.shape
         flat = pf.flatten(1)  # (B, nT)
         s, where = flat.sort(dim=1, stable=True)  # equal ids keep their order: earliest first
-        first = (s >= 0) & ~F.pad(s[:, 1:] == s[:, :-1], (1, 0), value=False)  # (B, nT)
+        first = (s >= 0) & ~_repeats(s)  # (B, nT)
         first = torch.zeros_like(first).scatter(1, where, first)  # back in position order
         w = self.weight[flat.clamp_min(0)] * first.unsqueeze(-1).to(self.weight.dtype)
         w = w.view(B, n, T, -1)  # (B, n, T, K): row k is the (k+1)-gram ending at t

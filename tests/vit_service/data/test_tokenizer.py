@@ -159,7 +159,6 @@ def test_head_tail_truncation_keeps_the_start_and_the_end(tok) -> None:
         tok.encode_batch([text], 17, truncation="middle")  # type: ignore[arg-type]
 
 
-
 def test_ids_are_the_sorted_pieces_and_segment_as_trained(corpus) -> None:
     """The trainer numbers equal-ranked pieces differently from run to run; the ids are
     renumbered (specials, then the pieces sorted) so the same piece set always gives the same
