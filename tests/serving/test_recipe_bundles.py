@@ -30,7 +30,7 @@ from fastapi.testclient import TestClient
 from serving.app import create_app
 from tests.serving.conftest import clean_settings
 from tests.serving.procs import REPO, Server
-from tests.training.conftest import QUIET, make_cifar_archive, make_imdb_archive
+from tests.training.conftest import QUIET, make_cifar_archive, make_imdb_archive, mlflow_client
 from training.recipes import list_recipes, load_recipe
 
 pytestmark = pytest.mark.slow
@@ -194,7 +194,9 @@ def test_a_shipped_ngram_head_is_fitted_saved_and_in_the_served_logits(
     included, not the Transformer's alone)."""
     import torch
 
+    from training.evaluate import bundle_val_rows
     from vit_service.bundle import load_bundle
+    from vit_service.data import load_imdb
 
     with_head = {n: b for n, b in bundles.items() if load_recipe(n).model.overrides.get(
         "ngram_head_buckets")}
@@ -231,3 +233,20 @@ def test_a_shipped_ngram_head_is_fitted_saved_and_in_the_served_logits(
         np.testing.assert_allclose(shares, c[1:].numpy(), atol=1e-5)
         assert shares.sum() + float(c[0]) + float(b.model.ngram_head.bias[0]) / 2 == \
             pytest.approx(float(half), abs=1e-4)
+
+        # the head's own validation accuracy, logged by the run, is the saved head's on the
+        # run's validation split
+        home = path.parents[2]
+        client = mlflow_client(f"sqlite:///{home / 'mlflow.db'}")
+        [run] = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                   f"tags.mlflow.runName = '{name}'")
+        ds = load_imdb(home.parent / "data", "train", cache_dir=home / "cache")
+        labels = np.asarray(ds.labels)
+        rows = bundle_val_rows(b.meta, labels)
+        enc = b.tokenizer.encode_batch([ds.texts[i] for i in rows],
+                                       b.meta.preprocess["max_len"],
+                                       b.meta.preprocess["truncation"])
+        with torch.no_grad():
+            pred = b.model.ngram_head(enc.input_ids, enc.attention_mask).argmax(1).numpy()
+        assert float(run.data.params["model.ngram_head_val_acc"]) == pytest.approx(
+            float((pred == labels[rows]).mean()), abs=1e-6)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from training.augment import smooth, smooth_one_hot, token_dropout
 from training.distributed import DistInfo
+from training.evaluate import evaluate_batches
 from training.ngram_teacher import NgramTeacher, fit_ngram_head
 from training.pseudo_labels import confident, ensemble_probabilities
 from training.recipe_parts import NGRAM
@@ -128,10 +129,9 @@ class TextTask(Task):
         n = self.n_labelled
         fit_ngram_head(head, self.train_ids[:n], self.train_len[:n],
                        self.train_y[:n].cpu().numpy())
-        with torch.no_grad():
-            right = sum(int((head(*b.inputs).argmax(1) == b.labels).sum())
-                        for b in self.val_batches(1024, all_ranks=True))
-        acc = right / max(1, self.n_val)
+        # every rank reads the whole validation split, so no cross-rank reduction
+        acc = evaluate_batches(head, self.val_batches(1024, all_ranks=True),
+                               lambda m, b: m(*b.inputs), self.class_names, self.device).acc
         log.info("n-gram head alone: val_acc %.4f", acc)
         self._data_params["model.ngram_head_val_acc"] = round(acc, 6)
 
