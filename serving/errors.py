@@ -7,11 +7,17 @@ Core exceptions that reach a route are mapped too (undecodable image -> 400, too
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Iterable
+from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.schemas import ErrorResponse
 from vit_service.preprocess import ImageDecodeError, ImageTooLargeError
@@ -90,8 +96,37 @@ class OverloadedError(HTTPException):
                          headers={"Retry-After": str(max(1, retry_after_s))})
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with what JSON cannot carry made printable: non-finite floats as their
+    ``repr`` (``inf``, ``nan``) and lone surrogates (valid in a JSON string escape, not in
+    UTF-8) as ``\\udXXX`` escapes, in nested lists and dicts too."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {json_safe(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map core exceptions to JSON errors; never leak a traceback."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes each error's input; one the JSON encoder cannot write
+        # (a body's 1e999 parses to inf, a "\ud800" escape to a lone surrogate) turned the
+        # 422 into a 500
+        return JSONResponse({"detail": json_safe(jsonable_encoder(exc.errors()))},
+                            status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # a detail that quotes the request (a name, a value) is written safely as well
+        exc.detail = json_safe(exc.detail)
+        return await http_exception_handler(request, exc)
 
     @app.exception_handler(ImageDecodeError)
     async def _bad_image(request: Request, exc: ImageDecodeError) -> JSONResponse:

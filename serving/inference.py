@@ -65,43 +65,78 @@ def _groups(jobs: Sequence[Job]) -> dict[ForwardPath, list[int]]:
     return out
 
 
-def _failure(model: LoadedModel, path: ForwardPath, e: Exception) -> Exception:
+class _GroupFailed(Exception):
+    """A group's error and where it arose: decoding its inputs (``preprocess``) or after."""
+
+    def __init__(self, error: Exception, preprocess: bool) -> None:
+        super().__init__(str(error))
+        self.error, self.preprocess = error, preprocess
+
+
+def _failure(model: LoadedModel, path: ForwardPath, failed: _GroupFailed) -> Exception:
     """What a failed group answers. A failing relevance pass is the model's limit, not the
     request's fault nor a crash: the version is marked unable to give relevance (later
-    requests get the 422 up front, the card says so) and this one gets that 422 too."""
-    if path is ForwardPath.RELEVANCE and not isinstance(e, InvalidRequestError):
+    requests get the 422 up front, the card says so) and this one gets that 422 too. An
+    input that could not be decoded says nothing about the model's relevance pass."""
+    e = failed.error
+    if (path is ForwardPath.RELEVANCE and not failed.preprocess
+            and not isinstance(e, InvalidRequestError)):
         reason = f"its relevance pass failed in {model.precision} ({type(e).__name__})"
         model.mark_relevance_unavailable(reason)
         return relevance_refused(model.name, reason)
     return e
 
 
+def _run_group(model: LoadedModel, group: Sequence[Job], observe: Observe) -> list[JobOutput]:
+    """Decode, explain and encode one group of jobs that share a forward path."""
+    codec = CODECS[model.task]
+    clock = _Clock(observe)
+    try:
+        inputs, ctx = codec.batch(model, group)  # type: ignore[arg-type]
+    except Exception as e:
+        raise _GroupFailed(e, preprocess=True) from e
+    try:
+        clock.lap("preprocess")
+        specs = [job.spec for job in group for _ in range(job.size)]  # one per row
+        res = explain_batch(model.bundle.model, inputs, specs, model.forwards, clock.lap)
+        arrays, row, outputs = BatchArrays(res), 0, []
+        for job in group:
+            results = []
+            for item in job.items:
+                results.append(codec.encode(model, job, item, row, res, arrays, ctx))  # type: ignore[arg-type]
+                row += 1
+            outputs.append(JobOutput(model, results))
+        clock.lap("results")
+        return outputs
+    except Exception as e:
+        raise _GroupFailed(e, preprocess=False) from e
+
+
 def run_jobs(model: LoadedModel, jobs: Sequence[Job],
              observe: Observe = _no_observe) -> list[JobOutput | Exception]:
     """Every job of a batch (all of ``model``'s modality), grouped by forward path: decode,
-    explain, encode. A group that fails answers its exception to each of its jobs."""
-    codec = CODECS[model.task]
+    explain, encode. When a group of several jobs fails, each of its jobs is run again alone,
+    so one request's bad input answers that request only, not the others batched with it."""
     outputs: list[JobOutput | Exception] = [InvalidRequestError("not run")] * len(jobs)
     for path, idxs in _groups(jobs).items():
         group = [jobs[i] for i in idxs]
         try:
-            clock = _Clock(observe)
-            inputs, ctx = codec.batch(model, group)  # type: ignore[arg-type]
-            clock.lap("preprocess")
-            specs = [job.spec for job in group for _ in range(job.size)]  # one per row
-            res = explain_batch(model.bundle.model, inputs, specs, model.forwards, clock.lap)
-            arrays, row = BatchArrays(res), 0
-            for i, job in zip(idxs, group, strict=True):
-                results = []
-                for item in job.items:
-                    results.append(codec.encode(model, job, item, row, res, arrays, ctx))  # type: ignore[arg-type]
-                    row += 1
-                outputs[i] = JobOutput(model, results)
-            clock.lap("results")
-        except Exception as e:
-            log.exception("%s batch failed for %s", model.task, model.name)
-            for i in idxs:
-                outputs[i] = _failure(model, path, e)
+            for i, out in zip(idxs, _run_group(model, group, observe), strict=True):
+                outputs[i] = out
+            continue
+        except _GroupFailed as failed:
+            if len(group) == 1:
+                log.error("%s batch failed for %s", model.task, model.name, exc_info=failed.error)
+                outputs[idxs[0]] = _failure(model, path, failed)
+                continue
+            log.warning("%s batch of %d jobs failed for %s (%s: %s); running each alone",
+                        model.task, len(group), model.name, type(failed.error).__name__, failed)
+        for i, job in zip(idxs, group, strict=True):
+            try:
+                [outputs[i]] = _run_group(model, [job], observe)
+            except _GroupFailed as failed:
+                log.error("%s job failed for %s", model.task, model.name, exc_info=failed.error)
+                outputs[i] = _failure(model, path, failed)
     return outputs
 
 

@@ -186,6 +186,11 @@ class TextPredictRequest(BaseModel):
         for i, t in enumerate(texts):
             if not t.strip():
                 raise ValueError(f"text {i} is empty")
+            try:  # a JSON "\ud800" escape decodes to a lone surrogate, which is no text
+                t.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"text {i} is not valid Unicode at character {e.start} "
+                                 "(a lone surrogate)") from None
         return v
 
     @property

@@ -50,3 +50,24 @@ def test_mean_pooling_models_read_the_mean_token_row() -> None:
     got = torch.tensor(out.results[0].attention.rollout)
     assert torch.allclose(got, want, atol=1e-5)
     assert _loaded("head", pool="cls").query == "cls"
+
+
+def test_one_undecodable_input_fails_its_own_request_only() -> None:
+    """A batch whose decoding fails (a lone surrogate, which the tokenizer cannot take; the API
+    refuses it with a 422 before it gets here) is run again job by job: the other requests
+    batched with it get their answers, and the model is not marked unable to give relevance
+    for a fault of the input's."""
+    model = _loaded("head_tail")
+    spec = ExplainSpec(relevance=True)
+    good = ["w1 w2 w3", "w4 w5 w6 w7"]
+    jobs = [TextJob([good[0]], 2, spec), TextJob(["w1 \ud800 w2"], 2, spec),
+            TextJob([good[1]], 2, spec)]
+    out = run_jobs(model, jobs)
+    assert isinstance(out[1], Exception)
+    assert model.relevance_unavailable is None
+    for i, text in ((0, good[0]), (2, good[1])):
+        alone = run_jobs(model, [TextJob([text], 2, spec)])[0].results[0]
+        got = out[i].results[0]
+        assert got.tokens == alone.tokens and got.predictions == alone.predictions
+        assert torch.allclose(torch.tensor(got.attention.relevance),
+                              torch.tensor(alone.attention.relevance), atol=1e-6)

@@ -91,6 +91,28 @@ def test_text_errors(client) -> None:
     assert client.post(TEXT, json={"text": "still works"}).status_code == 200
 
 
+def test_json_that_python_reads_but_cannot_write_back_is_a_422(client) -> None:
+    """A lone surrogate escape is valid JSON but no text, and 1e999 parses to inf: each is
+    refused with a 422 whose detail says where (its echoed input made printable), not a 500."""
+    json_ct = {"content-type": "application/json"}
+    cases = [
+        (rb'{"text": "\ud800"}', ("body", "text"), "\\ud800"),
+        (rb'{"text": ["fine", "a \udc00 b"]}', ("body", "text"), "lone surrogate"),
+        (rb'{"text": "ok", "model": "\ud800"}', ("body", "model"), "\\ud800"),
+        (rb'{"text": "ok", "attention": "\udfff"}', ("body", "attention"), "\\udfff"),
+        (rb'{"text": "ok", "top_k": 1e999}', ("body", "top_k"), "inf"),
+        (rb'{"text": "ok", "top_k": NaN}', ("body", "top_k"), "nan"),
+        (rb'{"text": 1e999}', ("body", "text"), "inf"),
+    ]
+    for body, loc, shown in cases:
+        r = client.post(TEXT, content=body, headers=json_ct)
+        assert r.status_code == 422, (body, r.text)
+        errors = r.json()["detail"]
+        assert any(tuple(e["loc"][:2]) == loc for e in errors), (body, errors)
+        assert shown in r.text, (body, r.text)
+    assert client.post(TEXT, json={"text": "still works"}).status_code == 200
+
+
 def test_f16_base64_encoding_of_text_maps_is_cut_to_the_real_tokens(client) -> None:
     import base64
 
