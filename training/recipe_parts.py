@@ -5,6 +5,7 @@ together and checks how they fit.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -13,7 +14,9 @@ from vit_service.models import get_config, list_models
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan: an lr or a rate of inf / nan is no setting ("1e999" in a JSON job body
+    # parses to inf)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelSpec(Strict):
@@ -32,6 +35,10 @@ class ModelSpec(Strict):
         fixed = {"pos_encoding", "num_classes", "vocab_size", "pad_id"} & set(self.overrides)
         if fixed:
             raise ValueError(f"model.overrides may not set {sorted(fixed)} (set by recipe/data)")
+        odd = sorted(k for k, v in self.overrides.items()
+                     if isinstance(v, float) and not math.isfinite(v))
+        if odd:
+            raise ValueError(f"model.overrides {odd}: a number must be finite")
         try:
             get_config(self.name, pos_encoding=self.pos_encoding, **self.overrides)
         except (TypeError, ValueError) as e:
@@ -169,7 +176,8 @@ class AugmentSpec(Strict):
 class InitSpec(Strict):
     """Where the weights come from before training (all null: from scratch)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True,
+                              allow_inf_nan=False)
 
     from_: str | None = Field(
         None, alias="from", description="runs:/<run id>, a bare run id, models:/name@alias, "

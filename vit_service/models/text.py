@@ -52,12 +52,17 @@ class TextConfig:
     # (pairs take half, token triples the other half)
 
     def __post_init__(self) -> None:  # a job's bad override is refused before it runs
-        check_ngram_order(self.ngram_head_order)
+        check_ngram_head(self.ngram_head_buckets, self.ngram_head_order)
 
 
-def check_ngram_order(order: int) -> None:
+def check_ngram_head(buckets: int, order: int) -> None:
+    """An n-gram head's shape: order 2 or 3, and with buckets, at least one per n-gram length
+    (order 3 halves them; zero buckets for pairs would divide by zero when hashing)."""
     if order not in (2, 3):
         raise ValueError(f"ngram_head_order must be 2 or 3, got {order}")
+    if 0 < buckets < order - 1:
+        raise ValueError(f"ngram_head_buckets must be 0 (no head) or >= {order - 1} with "
+                         f"ngram_head_order {order}, got {buckets}")
 
 
 PAIR_MUL = (2_654_435_761, 40_503)  # multiplicative hash of a (previous, current) token pair
@@ -83,7 +88,9 @@ class NgramHead(nn.Module):
 
     def __init__(self, vocab_size: int, buckets: int, num_classes: int, order: int = 2) -> None:
         super().__init__()
-        check_ngram_order(order)
+        if buckets < 1:
+            raise ValueError(f"an n-gram head needs >= 1 bucket, got {buckets}")
+        check_ngram_head(buckets, order)
         self.vocab_size, self.buckets, self.order = vocab_size, buckets, order
         self.pair_buckets = buckets if order == 2 else buckets // 2
         self.register_buffer("weight", torch.zeros(vocab_size + buckets, num_classes))

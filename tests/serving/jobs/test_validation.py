@@ -48,3 +48,12 @@ def test_model_size_counts_the_ngram_head_and_refuses_a_bad_order() -> None:
     with pytest.raises(JobError) as e:
         validate_recipe("imdb-selftrain-cpu", {"model.overrides.ngram_head_order": 4})
     assert e.value.status == 422 and "ngram_head_order" in str(e.value.detail)
+    # a JSON body's 1e999 is inf: no lr, rate or budget, in the schema's fields or the model's
+    for key in ("optim.lr", "budget_minutes", "model.overrides.drop_rate"):
+        for bad in (float("inf"), float("nan")):
+            with pytest.raises(JobError) as e:
+                validate_recipe("imdb-selftrain-cpu", {key: bad})
+            assert e.value.status == 422 and "finite" in str(e.value.detail), (key, bad)
+    with pytest.raises(JobError) as e:  # order 3 with one bucket: no room for pairs
+        validate_recipe("imdb-selftrain-cpu", {"model.overrides.ngram_head_buckets": 1})
+    assert e.value.status == 422 and "ngram_head_buckets" in str(e.value.detail)

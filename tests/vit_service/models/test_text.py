@@ -202,6 +202,11 @@ def test_an_order_3_head_adds_each_distinct_triple_once_in_its_half_of_the_bucke
                                    head.weight[2])
     with pytest.raises(ValueError, match="ngram_head_order"):
         create_model("text_test", ngram_head_buckets=97, ngram_head_order=4)
+    # order 3 gives half the buckets to pairs: one bucket would leave them none to hash into
+    with pytest.raises(ValueError, match="ngram_head_buckets"):
+        create_model("text_test", ngram_head_buckets=1, ngram_head_order=3)
+    m = create_model("text_test", ngram_head_buckets=2, ngram_head_order=3).eval()
+    assert m(torch.tensor([[2, 5, 6, 7]])).isfinite().all()
 
 
 @pytest.mark.parametrize("order", [2, 3])
