@@ -22,6 +22,7 @@ import csv
 import io
 import json
 import logging
+import math
 import posixpath
 import statistics
 import tarfile
@@ -56,22 +57,41 @@ class DatasetLimits:
     min_per_class: int = 5  # examples of each class in the train part
     max_classes: int = 1000
     max_text_chars: int = 100_000  # per text row
+    max_name_bytes: int = 200  # per folder or file name in an archive (kept with a prefix,
+    # under the 255 bytes a file system allows)
+
+
+def _text_problem(value: str) -> str | None:
+    """Why ``value`` cannot be kept as text, or None: a lone surrogate (a JSON "\\ud800"
+    escape, or a tar member's name that was not UTF-8) cannot be written as UTF-8."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"is not valid Unicode at character {e.start}"
+    return None
 
 
 # ----------------------------------------------------------------------------- images
 
 
-def _member_path(name: str) -> str | None:
+def _member_path(name: str, limits: DatasetLimits) -> str | None:
     """The member's normalised relative path, or None for what archivers add beside the
-    tree; a path that escapes the archive raises."""
+    tree; a path that escapes the archive, is not text or has a name too long to keep
+    raises."""
     if any(part in name for part in IGNORED) or name.endswith("/"):
         return None
+    problem = _text_problem(name)
+    if problem:
+        raise DatasetError(f"member {name!r}: its name {problem}")
     if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
         raise DatasetError(f"member {name!r}: absolute paths are not allowed")
     parts = name.replace("\\", "/").split("/")
     if ".." in parts:
         raise DatasetError(f"member {name!r}: '..' is not allowed in a member path")
     path = posixpath.normpath(name.replace("\\", "/"))
+    if any(len(p.encode()) > limits.max_name_bytes for p in path.split("/")):
+        raise DatasetError(f"member {name!r}: a folder or file name is longer than "
+                           f"{limits.max_name_bytes} bytes")
     base = posixpath.basename(path)
     return None if base.startswith(".") else path
 
@@ -79,7 +99,8 @@ def _member_path(name: str) -> str | None:
 def _zip_members(path: Path, limits: DatasetLimits) -> Iterator[tuple[str, bytes]]:
     try:
         zf = zipfile.ZipFile(path)
-    except zipfile.BadZipFile as e:
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        # ValueError: a member name flagged UTF-8 that is not (UnicodeDecodeError)
         raise DatasetError(f"not a readable zip archive: {e}") from None
     with zf:
         infos = zf.infolist()
@@ -87,7 +108,7 @@ def _zip_members(path: Path, limits: DatasetLimits) -> Iterator[tuple[str, bytes
             raise DatasetError(f"{len(infos)} members: at most {limits.max_members} allowed")
         total = 0
         for info in infos:
-            name = _member_path(info.filename)
+            name = _member_path(info.filename, limits)
             if name is None or info.is_dir():
                 continue
             if (info.external_attr >> 16) & 0o170000 == 0o120000:
@@ -102,7 +123,8 @@ def _zip_members(path: Path, limits: DatasetLimits) -> Iterator[tuple[str, bytes
                                    "bytes")
             try:
                 yield name, zf.read(info)
-            except (zipfile.BadZipFile, OSError, EOFError) as e:
+            except (zipfile.BadZipFile, OSError, EOFError, NotImplementedError,
+                    RuntimeError) as e:  # an unknown compression method; encrypted
                 raise DatasetError(f"member {info.filename!r} cannot be read: {e}") from None
 
 
@@ -121,7 +143,7 @@ def _tar_members(path: Path, limits: DatasetLimits) -> Iterator[tuple[str, bytes
                     raise DatasetError(f"more than {limits.max_members} members")
                 if m.isdir():
                     continue
-                name = _member_path(m.name)
+                name = _member_path(m.name, limits)
                 if name is None:
                     continue
                 if not m.isfile():
@@ -212,10 +234,11 @@ def inspect_image_archive(path: Path, fmt: str, limits: DatasetLimits,
 
 def _rows(path: Path, fmt: str) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, row) of a CSV or JSON Lines file."""
-    with path.open(encoding="utf-8", newline="") as f:
+    # utf-8-sig: a byte-order mark (spreadsheet exports write one) is not part of the header
+    with path.open(encoding="utf-8-sig", newline="") as f:
         try:
             if fmt == "csv":
-                reader = csv.DictReader(f)
+                reader = csv.DictReader(f, strict=True)  # strict: an unclosed quote raises
                 missing = {"text", "label"} - set(reader.fieldnames or [])
                 if missing:
                     raise DatasetError(f"line 1: the header lacks the column(s) "
@@ -231,6 +254,9 @@ def _rows(path: Path, fmt: str) -> Iterator[tuple[int, dict[str, Any]]]:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DatasetError(f"line {n}: not JSON ({e.msg})") from None
+                except (ValueError, RecursionError) as e:  # a 5,000-digit int; deep nesting
+                    raise DatasetError(f"line {n}: not a usable JSON object "
+                                       f"({type(e).__name__})") from None
                 if not isinstance(row, dict):
                     raise DatasetError(f"line {n}: a JSON object with text and label expected")
                 yield n, row
@@ -251,8 +277,13 @@ def inspect_text_table(path: Path, fmt: str, limits: DatasetLimits) -> tuple[
             raise DatasetError(f"line {n}: 'text' is missing or empty")
         if label is None or (isinstance(label, str) and not label.strip()):
             raise DatasetError(f"line {n}: 'label' is missing or empty")
-        if isinstance(label, (dict, list)):
-            raise DatasetError(f"line {n}: 'label' must be a string or a number")
+        if isinstance(label, (dict, list, bool)) or (
+                isinstance(label, float) and not math.isfinite(label)):
+            raise DatasetError(f"line {n}: 'label' must be a string or a finite number")
+        for field, value in (("text", text), ("label", str(label))):
+            problem = _text_problem(value)
+            if problem:
+                raise DatasetError(f"line {n}: {field!r} {problem}")
         if len(text) > limits.max_text_chars:
             raise DatasetError(f"line {n}: {len(text)} characters, at most "
                                f"{limits.max_text_chars} allowed")

@@ -99,12 +99,70 @@ def test_bad_archives_are_refused_and_leave_nothing(store: DatasetStore, tmp_pat
     assert not store.root.exists() or not any(store.root.iterdir())
 
 
+def _patch_central(data: bytes, member: str, flags: int = 0, method: int | None = None,
+                   name_byte: tuple[int, int] | None = None) -> bytes:
+    """``data`` (a zip) with ``member``'s central directory entry changed: flag bits set, the
+    compression method replaced, one byte of its name replaced (what zipfile reads)."""
+    z = bytearray(data)
+    i = z.index(b"PK\x01\x02")  # the first central directory entry
+    while True:
+        n = int.from_bytes(z[i + 28:i + 30], "little")
+        if z[i + 46:i + 46 + n] == member.encode():
+            break
+        extra, comment = (int.from_bytes(z[i + k:i + k + 2], "little") for k in (30, 32))
+        i = z.index(b"PK\x01\x02", i + 46 + n + extra + comment)
+    z[i + 8:i + 10] = (int.from_bytes(z[i + 8:i + 10], "little") | flags).to_bytes(2, "little")
+    if method is not None:
+        z[i + 10:i + 12] = method.to_bytes(2, "little")
+    if name_byte is not None:
+        z[i + 46 + name_byte[0]] = name_byte[1]
+    return bytes(z)
+
+
+@pytest.mark.parametrize(("patch", "message"), [
+    ({"method": 97}, "cannot be read"),  # a compression method zipfile does not know
+    ({"flags": 0x1}, "cannot be read"),  # encrypted
+    ({"flags": 0x800, "name_byte": (4, 0xFF)}, "not a readable zip"),  # "UTF-8" name that is not
+])
+def test_zip_members_zipfile_cannot_read_are_refused(store: DatasetStore, tmp_path: Path,
+                                                     patch: dict, message: str) -> None:
+    data = _patch_central(image_zip(tmp_path / "x.zip", tree()).read_bytes(), "cat/0.png",
+                          **patch)
+    with pytest.raises(DatasetError, match=message):
+        store.add(upload(tmp_path, "x", data), "x.zip")
+    assert not store.root.exists() or not any(store.root.iterdir())
+
+
+def test_member_names_that_cannot_be_kept_are_refused(store: DatasetStore,
+                                                       tmp_path: Path) -> None:
+    long = image_zip(tmp_path / "l.zip", {**tree(), f"cat/{'a' * 252}.png": png(9)})
+    with pytest.raises(DatasetError, match="longer than 200 bytes"):
+        store.add(upload(tmp_path, "l", long.read_bytes()), "l.zip")
+    # a class folder whose name is not UTF-8 (read back with a lone surrogate): refused, not
+    # kept (it would be a class name that no JSON answer can carry)
+    p = tmp_path / "t.tar.gz"
+    with tarfile.open(p, "w:gz", encoding="latin-1", format=tarfile.GNU_FORMAT) as tf:
+        for name, data in {**tree(), **{f"caf\xe9/{i}.png": png(i) for i in range(4)}}.items():
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+    with pytest.raises(DatasetError, match="not valid Unicode"):
+        store.add(upload(tmp_path, "t", p.read_bytes()), "t.tar.gz")
+    assert not store.root.exists() or not any(store.root.iterdir())
+
+
 def test_a_csv_table(store: DatasetStore, tmp_path: Path) -> None:
     rows = ["text,label"] + [f'"review {i}, with a comma",{("pos", "neg")[i % 2]}'
                              for i in range(8)]
     info, _ = store.add(upload(tmp_path, "c", "\n".join(rows).encode()), "reviews.csv")
     assert info.kind == "text" and info.format == "csv"
     assert info.counts == {"train": {"neg": 4, "pos": 4}} and info.stats["words"]["max"] == 5
+
+
+def test_a_csv_with_a_byte_order_mark(store: DatasetStore, tmp_path: Path) -> None:
+    rows = ["text,label"] + [f"review {i},{('pos', 'neg')[i % 2]}" for i in range(8)]
+    info, _ = store.add(upload(tmp_path, "c", "\n".join(rows).encode("utf-8-sig")), "r.csv")
+    assert info.counts == {"train": {"neg": 4, "pos": 4}}
 
 
 def test_a_jsonl_table_with_numeric_labels(store: DatasetStore, tmp_path: Path) -> None:
@@ -120,6 +178,13 @@ def test_a_jsonl_table_with_numeric_labels(store: DatasetStore, tmp_path: Path) 
     ("r.jsonl", '{"text": "a", "label": 1}\n{"text": "", "label": 2}\n', "line 2: 'text'"),
     ("r.csv", "text,label\nok,\n", "line 2: 'label'"),
     ("notes.txt", "hello", "expected an ImageFolder"),
+    ("r.csv", 'text,label\n"unclosed,pos\nb,neg\n', "not a readable CSV"),
+    ("r.jsonl", '{"text": "a", "label": "\\ud800"}\n', "line 1: 'label' is not valid Unicode"),
+    ("r.jsonl", '{"text": "a \\udc00", "label": 1}\n', "line 1: 'text' is not valid Unicode"),
+    ("r.jsonl", '{"text": "a", "label": true}\n', "line 1: 'label' must be"),
+    ("r.jsonl", '{"text": "a", "label": NaN}\n', "line 1: 'label' must be"),
+    ("r.jsonl", '{"text": "a", "label": ' + "1" * 5000 + "}\n", "line 1: not a usable JSON"),
+    ("r.jsonl", "[" * 100_000 + "\n", "line 1: not"),
 ])
 def test_bad_tables_name_the_line(store: DatasetStore, tmp_path: Path, name: str, body: str,
                                   message: str) -> None:
