@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vit_service.models import get_config, list_models
 
+SEED_MAX = 2**32 - 1  # numpy's seed range; torch takes less than 2**64
+COUNT_MAX = 10**9  # examples or steps: more than any data set here
+
 
 class Strict(BaseModel):
     # allow_inf_nan: an lr or a rate of inf / nan is no setting ("1e999" in a JSON job body
@@ -64,13 +67,16 @@ class DataSpec(Strict):
     path: str | None = Field(
         None, description="imagefolder: the tree (or a tar of it) - `<class>/<image>` folders"
     )
-    val_size: int = Field(ge=1, description="held-out examples carved (stratified) from train")
-    split_seed: int = Field(0, description="seed of the train/val split (keep fixed to compare)")
+    val_size: int = Field(ge=1, le=COUNT_MAX,
+                          description="held-out examples carved (stratified) from train")
+    split_seed: int = Field(0, ge=0, le=SEED_MAX,
+                            description="seed of the train/val split (keep fixed to compare)")
     val_fraction: float | None = Field(
         None, gt=0, lt=1, description="the share of the rows held out for validation "
         "(instead of val_size; an uploaded image set's own val/ split takes precedence)")
-    subset: int | None = Field(None, ge=1, description="train on N (stratified) train rows")
-    image_size: int = Field(32, ge=8)
+    subset: int | None = Field(None, ge=1, le=COUNT_MAX,
+                               description="train on N (stratified) train rows")
+    image_size: int = Field(32, ge=8, le=1024)
     vocab_size: int | None = Field(None, ge=64, description="text: subword vocabulary size")
     max_len: int | None = Field(None, ge=8, description="text: tokens per review incl. [CLS]")
     length_buckets: bool = Field(True, description="text: batch reviews of similar length")
@@ -118,7 +124,7 @@ class DataSpec(Strict):
 
 
 class OptimSpec(Strict):
-    lr: float = Field(gt=0, description="peak learning rate (for the global batch)")
+    lr: float = Field(gt=0, le=10, description="peak learning rate (for the global batch)")
     min_lr: float = Field(0.0, ge=0, description="the lr of the last update (decay floor)")
     schedule: Literal["cosine", "linear"] = Field(
         "cosine", description="decay after warm-up, to min_lr at the last update; linear decay "
@@ -127,7 +133,7 @@ class OptimSpec(Strict):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
     warmup_epochs: float | None = Field(None, ge=0)
-    warmup_steps: int | None = Field(None, ge=0)
+    warmup_steps: int | None = Field(None, ge=0, le=COUNT_MAX)
     warmup_fraction: float | None = Field(
         None, ge=0, lt=1, description="warm-up as a share of all updates (with budget_minutes: "
         "of the planned ones)")
@@ -148,12 +154,13 @@ class OptimSpec(Strict):
 
 
 class AugmentSpec(Strict):
-    crop_padding: int = Field(0, ge=0, description="random crop after zero padding; 0 = off")
+    crop_padding: int = Field(0, ge=0, le=128,
+                              description="random crop after zero padding; 0 = off")
     hflip: bool = False
     cutmix_prob: float = Field(0.0, ge=0, le=1, description="per-batch probability of CutMix")
     cutmix_alpha: float = Field(1.0, gt=0)
     mixup_alpha: float = Field(0.0, ge=0, description="Mixup on batches without CutMix; 0 = off")
-    randaugment_ops: int = Field(0, ge=0, description="RandAugment ops per image; 0 = off")
+    randaugment_ops: int = Field(0, ge=0, le=16, description="RandAugment ops per image; 0 = off")
     randaugment_magnitude: int = Field(9, ge=0, le=30)
     token_dropout: float = Field(
         0.0, ge=0, lt=1, description="text, training only: each real token after [CLS] is "

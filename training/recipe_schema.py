@@ -16,6 +16,7 @@ from training.recipe_parts import (
     BUILTIN_DATASETS,
     REGISTERED_NAME,
     RESERVED_NAMES,
+    SEED_MAX,
     AugmentSpec,
     DataSpec,
     InitSpec,
@@ -47,7 +48,7 @@ class Recipe(Strict):
     epochs: int = Field(ge=1)
     batch_size: int = Field(ge=1, description="global batch (split across DDP ranks)")
     eval_batch_size: int = Field(512, ge=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="torch, numpy and data order seed")
     device: Literal["cpu", "cuda", "auto"] = "auto"
     amp: bool = Field(True, description="bf16 autocast on CUDA (training and evaluation)")
     cpu_bf16: bool = Field(

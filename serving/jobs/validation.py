@@ -58,6 +58,10 @@ def _resolve(key: str, k: str, value: Any, roots: list[Path]) -> str:
     """One path override resolved inside ``roots`` (or kept: a run or model reference)."""
     if not isinstance(value, str) or not value or "\x00" in value:
         raise JobError(422, f"override {key!r} must be a path string")
+    try:  # a JSON "\ud800" escape: no file system name
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise JobError(422, f"override {key!r} is not valid Unicode") from None
     if value.startswith("~"):
         raise JobError(422, f"override {key!r}: ~ is not expanded here; give a path "
                             "relative to the data folder")

@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from vit_service.data import cache
 
 logger = logging.getLogger(__name__)
 
-LOADER_VERSION = "1"  # part of every image cache key: bump to invalidate decoded caches
+LOADER_VERSION = "2"  # part of every image cache key: bump to invalidate decoded caches
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 USE_TORCHVISION_JPEG = True  # batch-decode JPEGs with torchvision.io when importable
 # folders never taken for an ImageFolder root: the official CIFAR-10 pickled batches folder
@@ -66,6 +66,15 @@ def is_image_name(name: str) -> bool:
     return name.lower().endswith(IMG_EXTENSIONS) and not os.path.basename(name).startswith(".")
 
 
+def upright(img: Image.Image) -> Image.Image:
+    """The image turned as its EXIF orientation says (a phone photo stands the way it was
+    shot, not on its side); a malformed EXIF block leaves it as stored."""
+    try:
+        return ImageOps.exif_transpose(img)
+    except Exception:  # Pillow raises several kinds for a corrupt EXIF block
+        return img
+
+
 def fit_image(img: Image.Image, size: int) -> Image.Image:
     """RGB, shorter side resized to ``size`` then centre-cropped to ``size`` x ``size``."""
     if img.mode != "RGB":
@@ -85,7 +94,7 @@ def decode_image(data: bytes, image_size: int) -> np.ndarray:
     with Image.open(io.BytesIO(data)) as img:
         if img.format == "JPEG" and min(img.size) > image_size:
             img.draft("RGB", (image_size, image_size))  # let libjpeg downscale by 1/2..1/8
-        out = fit_image(img, image_size)
+        out = fit_image(upright(img), image_size)
         return np.asarray(out, dtype=np.uint8)
 
 
@@ -169,7 +178,8 @@ class ImageDecoder:
             return
         tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for _, d in pending]
         try:
-            decoded = self.fast(tensors)  # list of (C, H, W) uint8
+            # turned by EXIF orientation as the Pillow path and the server turn them
+            decoded = self.fast(tensors, apply_exif_orientation=True)  # list of (C, H, W) uint8
         except RuntimeError:
             decoded = [None] * len(pending)
         s = self.image_size

@@ -76,7 +76,30 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
     unknown = set(overrides) - valid
     if unknown:
         raise TypeError(f"unknown override(s) {sorted(unknown)} for {name}; valid: {sorted(valid)}")
-    return replace(config, **overrides)
+    out = replace(config, **overrides)
+    check_sizes(out)
+    return out
+
+
+# a size of 0 builds nothing or divides by zero, a negative one fails deep in torch
+POSITIVE = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads",
+            "mlp_ratio", "vocab_size", "max_len")
+RATES = ("drop_rate", "attn_drop_rate", "drop_path_rate", "patch_dropout")  # in [0, 1)
+
+
+def check_sizes(config: ModelConfig) -> None:
+    """Refuse a config no model can be built from: a size below 1, a negative count, a rate
+    outside [0, 1) (ValueError naming the field; a job override gets a 422 before it runs)."""
+    for f in fields(config):
+        v = getattr(config, f.name)
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            continue
+        if f.name in POSITIVE and not v > 0:
+            raise ValueError(f"{f.name} must be > 0, got {v}")
+        if f.name in RATES and not 0 <= v < 1:
+            raise ValueError(f"{f.name} must be in [0, 1), got {v}")
+        if not v >= 0:
+            raise ValueError(f"{f.name} must be >= 0, got {v}")
 
 
 def build_model(config: ModelConfig) -> nn.Module:

@@ -28,6 +28,7 @@ def test_each_teacher_bundle_of_an_ensemble_is_resolved_inside_the_roots(tmp_pat
     (["../../x"], "outside the data and home"),
     (["t1", 3], "must be a path string"),
     ([], "must be a path string"),
+    (["t1", "t\ud800"], "data.pseudo_labels[1]' is not valid Unicode"),  # a JSON escape
 ])
 def test_a_bad_teacher_in_a_list_is_refused(tmp_path: Path, value: list, needle: str) -> None:
     with pytest.raises(JobError) as e:
@@ -54,6 +55,23 @@ def test_model_size_counts_the_ngram_head_and_refuses_a_bad_order() -> None:
             with pytest.raises(JobError) as e:
                 validate_recipe("imdb-selftrain-cpu", {key: bad})
             assert e.value.status == 422 and "finite" in str(e.value.detail), (key, bad)
+    # values no run can use, each refused before it is queued: seeds past numpy's range,
+    # sizes that build no model, unbounded sizes that would exhaust memory or time
+    for key, bad, says in (("seed", 10**30, "seed"), ("seed", -1, "seed"),
+                           ("data.split_seed", -1, "split_seed"),
+                           ("model.overrides.depth", -1, "depth must be > 0"),
+                           ("model.overrides.embed_dim", 0, "embed_dim must be > 0"),
+                           ("model.overrides.drop_path_rate", 1.5, "drop_path_rate"),
+                           ("optim.lr", 1e308, "optim.lr"),
+                           ("data.subset", 10**30, "data.subset")):
+        with pytest.raises(JobError) as e:
+            validate_recipe("imdb-selftrain-cpu", {key: bad})
+        assert e.value.status == 422 and says in str(e.value.detail), (key, bad, e.value.detail)
+    for key, bad in (("data.image_size", 10**9), ("augment.crop_padding", 10**9),
+                     ("augment.randaugment_ops", 10**9)):
+        with pytest.raises(JobError) as e:
+            validate_recipe("cifar10-smoke", {key: bad})
+        assert e.value.status == 422 and key in str(e.value.detail), (key, e.value.detail)
     with pytest.raises(JobError) as e:  # order 3 with one bucket: no room for pairs
         validate_recipe("imdb-selftrain-cpu", {"model.overrides.ngram_head_buckets": 1})
     assert e.value.status == 422 and "ngram_head_buckets" in str(e.value.detail)
