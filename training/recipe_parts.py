@@ -6,6 +6,7 @@ together and checks how they fit.
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -230,8 +231,10 @@ def check_init_source(spec: str) -> None:
             raise ValueError(f"init.from {s!r}: expected models:/<name>@<alias> or "
                              "models:/<name>/<version>")
     elif s.startswith("runs:/"):
-        if not s.removeprefix("runs:/").split("/", 1)[0]:
-            raise ValueError(f"init.from {s!r}: expected runs:/<run id>[/model]")
+        run, _, path = s.removeprefix("runs:/").partition("/")
+        # a run id is 32 hex digits; the artifact path stays inside the run ("..": no)
+        if not re.fullmatch(r"[0-9a-f]{32}", run) or ".." in path.split("/"):
+            raise ValueError(f"init.from {s!r}: expected runs:/<32-hex run id>[/model]")
     elif "://" in s:
         raise ValueError(f"init.from {s!r}: only runs:/, models:/, run ids and local paths")
 

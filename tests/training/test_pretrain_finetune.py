@@ -351,7 +351,9 @@ def test_layer_wise_lr_decay_groups_and_their_lrs() -> None:
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"init.from": "s3://bucket/x.pt"}, "only runs:/, models:/"),
     ({"init.from": "models:/cifar10-mae"}, "models:/<name>@<alias>"),
-    ({"init.from": "runs:/abc", "init.timm": "vit_tiny_patch16_224"}, "not both"),
+    ({"init.from": "runs:/" + "a" * 32, "init.timm": "vit_tiny_patch16_224"}, "not both"),
+    ({"init.from": "runs:/abc"}, "32-hex run id"),
+    ({"init.from": "runs:/" + "a" * 32 + "/../../x"}, "32-hex run id"),  # out of the run
     ({"init.timm_file": "/x.pth"}, "needs init.timm"),
     ({"data.dataset": "imagefolder"}, "data.path is required"),
     ({"data.include_unsup": True}, "include_unsup is for dataset imdb"),
