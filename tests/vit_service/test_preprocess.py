@@ -43,7 +43,8 @@ def test_the_exif_orientation_is_applied() -> None:
 def test_training_and_serving_turn_an_exif_oriented_jpeg_alike() -> None:
     """A phone photo in an uploaded set: both training decoders (torchvision's batch path for a
     JPEG of the model's size, Pillow's for others) and the server see it upright."""
-    from vit_service.data.images import ImageDecoder, decode_image as train_decode
+    from vit_service.data.images import ImageDecoder
+    from vit_service.data.images import decode_image as train_decode
 
     square = np.zeros((32, 32, 3), np.uint8)  # (H, W, 3)
     square[:, :8] = 255  # a white band at the left edge, as stored
