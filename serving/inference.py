@@ -4,7 +4,8 @@ Everything here is blocking and runs in the single inference thread (so the even
 free and torch's own threads are not oversubscribed). Within a batch, jobs are run in up to
 three groups by their :class:`vit_service.pipeline.ForwardPath`; each group is decoded by its
 modality's codec (:mod:`serving.codecs`), explained by one call of
-:func:`vit_service.pipeline.explain_batch` and its answers encoded once.
+:func:`vit_service.pipeline.explain_batch` and its answers encoded once. A group that fails is
+run again job by job, so one request's bad input fails that request only.
 """
 
 from __future__ import annotations
@@ -46,15 +47,21 @@ def _no_observe(stage: str, seconds: float) -> None:
 
 
 class _Clock:
-    """Laps of one batch group, reported per stage."""
+    """Laps of one batch group, reported per stage once the group has succeeded (a failed
+    group's laps would count its stages twice when its jobs are run again alone)."""
 
     def __init__(self, observe: Observe) -> None:
         self.observe, self.t = observe, time.perf_counter()
+        self.laps: list[tuple[str, float]] = []
 
     def lap(self, stage: str) -> None:
         now = time.perf_counter()
-        self.observe(stage, now - self.t)
+        self.laps.append((stage, now - self.t))
         self.t = now
+
+    def report(self) -> None:
+        for stage, seconds in self.laps:
+            self.observe(stage, seconds)
 
 
 def _groups(jobs: Sequence[Job]) -> dict[ForwardPath, list[int]]:
@@ -77,7 +84,8 @@ def _failure(model: LoadedModel, path: ForwardPath, failed: _GroupFailed) -> Exc
     """What a failed group answers. A failing relevance pass is the model's limit, not the
     request's fault nor a crash: the version is marked unable to give relevance (later
     requests get the 422 up front, the card says so) and this one gets that 422 too. An
-    input that could not be decoded says nothing about the model's relevance pass."""
+    input that could not be decoded says nothing about the model's relevance pass; a failure
+    after decoding (the pass, or encoding its answer) counts against the version."""
     e = failed.error
     if (path is ForwardPath.RELEVANCE and not failed.preprocess
             and not isinstance(e, InvalidRequestError)):
@@ -107,9 +115,10 @@ def _run_group(model: LoadedModel, group: Sequence[Job], observe: Observe) -> li
                 row += 1
             outputs.append(JobOutput(model, results))
         clock.lap("results")
-        return outputs
     except Exception as e:
         raise _GroupFailed(e, preprocess=False) from e
+    clock.report()
+    return outputs
 
 
 def run_jobs(model: LoadedModel, jobs: Sequence[Job],
@@ -132,6 +141,10 @@ def run_jobs(model: LoadedModel, jobs: Sequence[Job],
             log.warning("%s batch of %d jobs failed for %s (%s: %s); running each alone",
                         model.task, len(group), model.name, type(failed.error).__name__, failed)
         for i, job in zip(idxs, group, strict=True):
+            reason = model.relevance_unavailable
+            if path is ForwardPath.RELEVANCE and reason:  # a job alone failed in the model
+                outputs[i] = relevance_refused(model.name, reason)
+                continue
             try:
                 [outputs[i]] = _run_group(model, [job], observe)
             except _GroupFailed as failed:

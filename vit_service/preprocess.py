@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from vit_service.bundle import BundleMeta
-from vit_service.data.images import upright
+from vit_service.data.images import to_8bit, upright
 
 
 class ImageDecodeError(ValueError):
@@ -59,7 +59,7 @@ def decode_image(data: bytes, max_pixels: int = 4096 * 4096,
         if min_side is not None and img.format == "JPEG":
             img.draft("RGB", (min_side, min_side))  # keeps both sides >= min_side
         img.load()
-        img = _to_8bit(upright(img))  # as training decodes it
+        img = to_8bit(upright(img))  # as training decodes it
         if min_side is not None:
             img = _reduce(img, min_side)
         return img.convert("RGB")
@@ -69,17 +69,6 @@ def decode_image(data: bytes, max_pixels: int = 4096 * 4096,
         raise ImageTooLargeError(str(e)) from e
     except Exception as e:  # PIL raises many types for bad data
         raise ImageDecodeError(f"cannot decode image ({type(e).__name__})") from e
-
-
-def _to_8bit(img: Image.Image) -> Image.Image:
-    """A 16- or 32-bit integer grayscale image as 8-bit ``L``, its range scaled (Pillow's own
-    conversion clips at 255, so a 16-bit scan turned white; nor can it be reduced)."""
-    if not (img.mode.startswith("I;16") or img.mode == "I"):
-        return img
-    a = np.asarray(img).astype(np.int64)  # (H, W)
-    top = 65535 if img.mode.startswith("I;16") or a.max(initial=0) > 255 else 255
-    a = np.clip(a, 0, top) * 255 // top
-    return Image.fromarray(a.astype(np.uint8))  # (H, W) uint8: mode L
 
 
 def _reduce(img: Image.Image, min_side: int) -> Image.Image:

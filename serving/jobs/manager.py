@@ -158,6 +158,8 @@ class JobManager:
         could never run, 429 past a queued cap (:func:`~.admission.check_queued_caps`)."""
         if not 1 <= nprocs <= self.settings.jobs_max_procs:
             raise JobError(422, f"nprocs must be between 1 and {self.settings.jobs_max_procs}")
+        for where, value in (("recipe", recipe), ("name", name), ("overrides", overrides)):
+            validation.check_text(where, value)
         roots = [self.settings.data_dir.resolve(), self.settings.home.resolve()]
         overrides = validation.resolve_paths(overrides, roots)
         validation.check_caps(overrides, self.settings)

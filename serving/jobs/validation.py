@@ -21,6 +21,24 @@ NOT_A_PATH = ("models:/", "runs:/")
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
+def check_text(where: str, value: Any) -> None:
+    """Every string in ``value`` (a request's recipe, name, override keys and values, nested)
+    must be writable as UTF-8: a JSON "\\ud800" escape decodes to a lone surrogate that no
+    answer, log or file name can carry (a job stored with one failed every later listing)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise JobError(422, f"{where} is not valid Unicode (a lone surrogate)") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(f"{where} key", k)
+            check_text(f"{where}.{k}" if where != "overrides" else f"override {k!r}", v)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            check_text(f"{where}[{i}]", v)
+
+
 def validate_recipe(recipe: str, overrides: dict[str, Any]) -> None:
     """Only known recipe *names* (never a path), overrides checked against the recipe schema."""
     from training.recipes import RecipeError, list_recipes, load_recipe

@@ -14,7 +14,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from serving.deps import ApiKeyDep, JsonBodyDep, PrincipalDep, SettingsDep
-from serving.errors import error_responses
+from serving.errors import error_responses, json_safe
 from serving.jobs import JobError, JobManager, JobState
 from serving.jobs.schemas import Job, JobCreate, JobList, JobLogs, JobMetrics, Recipe, RecipeList
 
@@ -90,4 +90,4 @@ def install_job_error_handler(app: FastAPI) -> None:
 
     @app.exception_handler(JobError)
     async def _job_error(request: Request, exc: JobError) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+        return JSONResponse({"detail": json_safe(exc.detail)}, status_code=exc.status)

@@ -166,6 +166,8 @@ def _decode_all(items: list[tuple[bytes, str | None]], sizes: list[tuple[int, in
         what = f"image {i}" + (f" ({filename})" if filename else "")
         try:
             img = decode_image(data, max_pixels=max_pixels, min_side=min_side)
+            if (img.width - img.height) * (w - h) < 0:  # turned upright by its EXIF tag
+                w, h = h, w
             out.append(ImageInput(img, filename, width=w, height=h))
         except ImageTooLargeError as e:
             raise PayloadTooLargeError(f"{what}: {e}") from e

@@ -71,3 +71,27 @@ def test_one_undecodable_input_fails_its_own_request_only() -> None:
         assert got.tokens == alone.tokens and got.predictions == alone.predictions
         assert torch.allclose(torch.tensor(got.attention.relevance),
                               torch.tensor(alone.attention.relevance), atol=1e-6)
+
+
+def test_a_relevance_pass_that_fails_in_the_model_is_not_run_once_per_job(monkeypatch) -> None:
+    """When the model's relevance pass itself fails, the first job run alone marks the version
+    and the rest of the batch gets the same 422 without another pass; the failed group's
+    stage timings are not reported."""
+    import serving.inference as inference
+
+    calls: list[int] = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no backward in this precision")
+
+    monkeypatch.setattr(inference, "explain_batch", broken)
+    model = _loaded("head_tail")
+    spec = ExplainSpec(relevance=True)
+    seen: list[str] = []
+    out = run_jobs(model, [TextJob([f"w{i} w{i + 1}"], 2, spec) for i in range(4)],
+                   lambda stage, s: seen.append(stage))
+    assert len(calls) == 2  # the group, then the first job alone
+    assert model.relevance_unavailable and "RuntimeError" in model.relevance_unavailable
+    assert all(getattr(o, "status_code", None) == 422 for o in out), out
+    assert seen == []  # nothing succeeded: no stage was timed

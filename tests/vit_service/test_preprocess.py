@@ -18,13 +18,24 @@ def test_a_16_bit_grayscale_image_is_scaled_not_clipped_and_can_be_reduced() -> 
     ramp = np.linspace(0, 65535, 400 * 400).reshape(400, 400).astype(np.uint16)  # (H, W)
     data = _png(Image.fromarray(ramp))
     assert Image.open(io.BytesIO(data)).mode.startswith("I;16")
-    for min_side in (None, 32):  # 32: reduced before conversion, as the server decodes
+    for min_side in (None, 32):  # 32: scaled to 8 bits, then reduced, as the server decodes
         got = np.asarray(decode_image(data, min_side=min_side))
         assert got.shape[2] == 3 and got.shape[0] >= (min_side or 400)
         # the ramp survives: dark at the top, light at the bottom, mid-grey in the middle
         # (Pillow's own conversion clips at 255 and gives a white image, mean ~254.5)
         assert got[0].mean() < 10 and got[-1].mean() > 245
         assert 100 < got.mean() < 155
+
+
+def test_training_reads_a_16_bit_image_as_the_server_does() -> None:
+    from vit_service.data.images import decode_image as train_decode
+
+    ramp = np.linspace(0, 65535, 64 * 64).reshape(64, 64).astype(np.uint16)  # (H, W)
+    data = _png(Image.fromarray(ramp))
+    trained = train_decode(data, 64)  # (64, 64, 3): the size the model reads, no resize
+    served = np.asarray(decode_image(data))
+    np.testing.assert_array_equal(trained, served)
+    assert trained[0].mean() < 10 and trained[-1].mean() > 245
 
 
 def test_the_exif_orientation_is_applied() -> None:

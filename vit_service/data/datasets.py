@@ -9,7 +9,6 @@ is written to a temporary folder and renamed into place, so nothing half-written
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 import logging
@@ -27,6 +26,7 @@ from vit_service.data.upload_checks import (
     inspect_image_archive,
     inspect_text_table,
     sniff_format,
+    table_rows,
 )
 
 log = logging.getLogger(__name__)
@@ -160,11 +160,9 @@ class DatasetStore:
 
 
 def _table_rows(path: Path, fmt: str) -> list[dict[str, Any]]:
-    """The rows of a checked table (its checks ran at upload)."""
-    with path.open(encoding="utf-8", newline="") as f:
-        if fmt == "csv":
-            return list(csv.DictReader(f))
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of a checked table (its checks ran at upload), read by the same reader that
+    checked them (encoding, byte-order mark, CSV dialect)."""
+    return [row for _, row in table_rows(path, fmt)]
 
 
 def _sha256(path: Path) -> str:

@@ -66,13 +66,29 @@ def is_image_name(name: str) -> bool:
     return name.lower().endswith(IMG_EXTENSIONS) and not os.path.basename(name).startswith(".")
 
 
+ORIENTATION = 0x0112  # the EXIF tag
+
+
 def upright(img: Image.Image) -> Image.Image:
     """The image turned as its EXIF orientation says (a phone photo stands the way it was
     shot, not on its side); a malformed EXIF block leaves it as stored."""
     try:
+        if img.getexif().get(ORIENTATION, 1) == 1:  # upright already: no copy
+            return img
         return ImageOps.exif_transpose(img)
     except Exception:  # Pillow raises several kinds for a corrupt EXIF block
         return img
+
+
+def to_8bit(img: Image.Image) -> Image.Image:
+    """A 16- or 32-bit integer grayscale image as 8-bit ``L``, its range scaled (Pillow's own
+    conversion clips at 255, so a 16-bit scan turned white; nor can it be reduced)."""
+    if not (img.mode.startswith("I;16") or img.mode == "I"):
+        return img
+    a = np.asarray(img).astype(np.int64)  # (H, W)
+    top = 65535 if img.mode.startswith("I;16") or a.max(initial=0) > 255 else 255
+    a = np.clip(a, 0, top) * 255 // top
+    return Image.fromarray(a.astype(np.uint8))  # (H, W) uint8: mode L
 
 
 def fit_image(img: Image.Image, size: int) -> Image.Image:
@@ -94,7 +110,7 @@ def decode_image(data: bytes, image_size: int) -> np.ndarray:
     with Image.open(io.BytesIO(data)) as img:
         if img.format == "JPEG" and min(img.size) > image_size:
             img.draft("RGB", (image_size, image_size))  # let libjpeg downscale by 1/2..1/8
-        out = fit_image(upright(img), image_size)
+        out = fit_image(to_8bit(upright(img)), image_size)
         return np.asarray(out, dtype=np.uint8)
 
 

@@ -22,11 +22,13 @@ import csv
 import io
 import json
 import logging
+import lzma
 import math
 import posixpath
 import statistics
 import tarfile
 import zipfile
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -123,8 +125,8 @@ def _zip_members(path: Path, limits: DatasetLimits) -> Iterator[tuple[str, bytes
                                    "bytes")
             try:
                 yield name, zf.read(info)
-            except (zipfile.BadZipFile, OSError, EOFError, NotImplementedError,
-                    RuntimeError) as e:  # an unknown compression method; encrypted
+            except (zipfile.BadZipFile, OSError, EOFError, NotImplementedError, RuntimeError,
+                    zlib.error, lzma.LZMAError) as e:  # unknown method; encrypted; corrupt
                 raise DatasetError(f"member {info.filename!r} cannot be read: {e}") from None
 
 
@@ -232,7 +234,7 @@ def inspect_image_archive(path: Path, fmt: str, limits: DatasetLimits,
 # ----------------------------------------------------------------------------- text
 
 
-def _rows(path: Path, fmt: str) -> Iterator[tuple[int, dict[str, Any]]]:
+def table_rows(path: Path, fmt: str) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, row) of a CSV or JSON Lines file."""
     # utf-8-sig: a byte-order mark (spreadsheet exports write one) is not part of the header
     with path.open(encoding="utf-8-sig", newline="") as f:
@@ -271,13 +273,13 @@ def inspect_text_table(path: Path, fmt: str, limits: DatasetLimits) -> tuple[
     """Classes, counts and text length statistics of a labelled CSV / JSON Lines file."""
     counts: Counter[str] = Counter()
     words: list[int] = []
-    for n, row in _rows(path, fmt):
+    for n, row in table_rows(path, fmt):
         text, label = row.get("text"), row.get("label")
         if not isinstance(text, str) or not text.strip():
             raise DatasetError(f"line {n}: 'text' is missing or empty")
         if label is None or (isinstance(label, str) and not label.strip()):
             raise DatasetError(f"line {n}: 'label' is missing or empty")
-        if isinstance(label, (dict, list, bool)) or (
+        if isinstance(label, (dict, list)) or (
                 isinstance(label, float) and not math.isfinite(label)):
             raise DatasetError(f"line {n}: 'label' must be a string or a finite number")
         for field, value in (("text", text), ("label", str(label))):

@@ -327,3 +327,24 @@ def _poll(read: Callable[[], Any], want: Any, timeout: float = 30) -> None:
     while (got := read()) != want:
         assert time.monotonic() < deadline, f"{got!r} != {want!r}"
         time.sleep(0.3)
+
+
+def test_a_job_request_with_no_text_in_it_is_a_422_and_nothing_is_stored(tmp_path: Path) -> None:
+    """Lone surrogates (JSON "\\ud800" escapes) in an override value, an override key or a
+    path: each a 422 whose detail is printable JSON, none stored, the listing still a 200."""
+    from serving.app import create_app
+
+    settings = _settings(tmp_path, api_key=DEFAULT_KEY, reload_interval_s=0, discover_models=0,
+                         tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    app = create_app(settings.model_copy(update={"models": {}}))
+    app.state.jobs = _manager(app.state.settings)
+    headers = {"content-type": "application/json", **_auth(DEFAULT_KEY)}
+    bodies = [b'{"recipe": "%s", "overrides": {"description": "x \\ud800"}}',
+              b'{"recipe": "%s", "overrides": {"augment.\\udc00": 1}}',
+              b'{"recipe": "%s", "overrides": {"data.path": "\\ud800"}}']
+    with TestClient(app) as c:
+        for body in bodies:
+            r = c.post("/v1/jobs", content=body % SMOKE.encode(), headers=headers)
+            assert r.status_code == 422 and "not valid Unicode" in r.json()["detail"], r.text
+        listed = c.get("/v1/jobs", headers=_auth(DEFAULT_KEY))
+        assert listed.status_code == 200 and listed.json()["jobs"] == []

@@ -75,3 +75,18 @@ def test_model_size_counts_the_ngram_head_and_refuses_a_bad_order() -> None:
     with pytest.raises(JobError) as e:  # order 3 with one bucket: no room for pairs
         validate_recipe("imdb-selftrain-cpu", {"model.overrides.ngram_head_buckets": 1})
     assert e.value.status == 422 and "ngram_head_buckets" in str(e.value.detail)
+
+
+def test_a_string_that_is_no_text_is_refused_wherever_it_is() -> None:
+    """A JSON "\\ud800" escape in any override (a description, a key, a nested list item)
+    is a 422 naming where, before anything is resolved, validated or stored."""
+    from serving.jobs.validation import check_text
+
+    check_text("overrides", {"description": "café ☕", "data": {"path": ["a", "b"]}})
+    for value, where in (({"description": "x\ud800"}, "override 'description'"),
+                         ({"augment.\udc00": 1}, "overrides key"),
+                         ({"data": {"pseudo_labels": ["t1", "\udfff"]}},
+                          "override 'data'.pseudo_labels[1]")):
+        with pytest.raises(JobError) as e:
+            check_text("overrides", value)
+        assert e.value.status == 422 and where in e.value.detail, e.value.detail
