@@ -130,9 +130,7 @@ def run_jobs(model: LoadedModel, jobs: Sequence[Job],
     for path, idxs in _groups(jobs).items():
         group = [jobs[i] for i in idxs]
         try:
-            for i, out in zip(idxs, _run_group(model, group, observe), strict=True):
-                outputs[i] = out
-            continue
+            done = _run_group(model, group, observe)
         except _GroupFailed as failed:
             if len(group) == 1:
                 log.error("%s batch failed for %s", model.task, model.name, exc_info=failed.error)
@@ -140,6 +138,10 @@ def run_jobs(model: LoadedModel, jobs: Sequence[Job],
                 continue
             log.warning("%s batch of %d jobs failed for %s (%s: %s); running each alone",
                         model.task, len(group), model.name, type(failed.error).__name__, failed)
+        else:
+            for i, out in zip(idxs, done, strict=True):
+                outputs[i] = out
+            continue
         for i, job in zip(idxs, group, strict=True):
             reason = model.relevance_unavailable
             if path is ForwardPath.RELEVANCE and reason:  # a job alone failed in the model

@@ -8,6 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from vit_service.data.tokenizer import text_problem
+
 
 class AttentionKind(StrEnum):
     """Which attention maps a prediction returns (all from the prediction's own forward pass).
@@ -186,11 +188,9 @@ class TextPredictRequest(BaseModel):
         for i, t in enumerate(texts):
             if not t.strip():
                 raise ValueError(f"text {i} is empty")
-            try:  # a JSON "\ud800" escape decodes to a lone surrogate, which is no text
-                t.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"text {i} is not valid Unicode at character {e.start} "
-                                 "(a lone surrogate)") from None
+            problem = text_problem(t)  # a JSON "\ud800" escape is no text
+            if problem:
+                raise ValueError(f"text {i} {problem}")
         return v
 
     @property

@@ -24,7 +24,6 @@ the run, the bundle's ``meta.json``, the checkpoint).
 from __future__ import annotations
 
 import logging
-import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from training import checkpoint as ckpt_io
+from training.recipe_parts import RUN_ID
 from training.recipes import Recipe
 from vit_service.bundle import META, TOKENIZER, WEIGHTS, BundleMeta
 from vit_service.data.tokenizer import TextTokenizer
@@ -41,7 +41,6 @@ from vit_service.models import ViT, get_config
 
 log = logging.getLogger(__name__)
 
-_RUN_ID_RE = re.compile(r"[0-9a-f]{32}")
 HEAD_PREFIXES = ("head.", "fc_norm.")
 
 
@@ -104,7 +103,7 @@ def resolve_init(spec: str, tracking_uri: str | None = None, settings: Any = Non
     path = Path(spec).expanduser()
     if spec.startswith("models:/"):
         return _from_registry(spec, tracking_uri, settings)
-    if spec.startswith("runs:/") or (_RUN_ID_RE.fullmatch(spec) and not path.exists()):
+    if spec.startswith("runs:/") or (RUN_ID.fullmatch(spec) and not path.exists()):
         return _from_run(spec, tracking_uri, settings)
     if path.is_dir():
         if (path / META).is_file():

@@ -5,20 +5,19 @@ caps (settings ``jobs_max_*``), a model of bounded size."""
 from __future__ import annotations
 
 import copy
-import re
 from pathlib import Path
 from typing import Any
 
 from serving.jobs.model import JobError
-from training.recipe_parts import NGRAM, TEACHER
+from training.recipe_parts import NGRAM, RUN_ID, TEACHER
 from vit_service.config import Settings
+from vit_service.data.tokenizer import text_problem
 
 PATH_KEY_SUFFIXES = ("dir", "file", "path", "root", "uri")
 # recipe fields that name a file or folder on the server, whatever their key's suffix says
 PATH_KEYS = ("data.path", "data.pseudo_labels", "init.from", "init.timm_file")
 # init.from may also name a run or a registered model: not a path then
 NOT_A_PATH = ("models:/", "runs:/")
-RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
 def check_text(where: str, value: Any) -> None:
@@ -26,10 +25,9 @@ def check_text(where: str, value: Any) -> None:
     must be writable as UTF-8: a JSON "\\ud800" escape decodes to a lone surrogate that no
     answer, log or file name can carry (a job stored with one failed every later listing)."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise JobError(422, f"{where} is not valid Unicode (a lone surrogate)") from None
+        problem = text_problem(value)
+        if problem:
+            raise JobError(422, f"{where} {problem}")
     elif isinstance(value, dict):
         for k, v in value.items():
             check_text(f"{where} key", k)
@@ -76,14 +74,11 @@ def _resolve(key: str, k: str, value: Any, roots: list[Path]) -> str:
     """One path override resolved inside ``roots`` (or kept: a run or model reference)."""
     if not isinstance(value, str) or not value or "\x00" in value:
         raise JobError(422, f"override {key!r} must be a path string")
-    try:  # a JSON "\ud800" escape: no file system name
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise JobError(422, f"override {key!r} is not valid Unicode") from None
+    check_text(f"override {key!r}", value)  # no file system name holds a lone surrogate
     if value.startswith("~"):
         raise JobError(422, f"override {key!r}: ~ is not expanded here; give a path "
                             "relative to the data folder")
-    if k == "init.from" and (value.startswith(NOT_A_PATH) or RUN_ID.match(value)):
+    if k == "init.from" and (value.startswith(NOT_A_PATH) or RUN_ID.fullmatch(value)):
         return value
     if k == "data.pseudo_labels" and value in (TEACHER, NGRAM):  # fitted by the run itself
         return value

@@ -139,7 +139,8 @@ class DatasetStore:
         index = {c: i for i, c in enumerate(info.classes)}
         texts: list[str] = []
         labels: list[int] = []
-        for row in _table_rows(path, info.format):
+        # the reader that checked the table at upload (encoding, byte-order mark, dialect)
+        for _, row in table_rows(path, info.format):
             texts.append(str(row["text"]))
             labels.append(index[str(row["label"]).strip()])
         return TextTable(texts, np.asarray(labels, dtype=np.int64), list(info.classes),
@@ -157,12 +158,6 @@ class DatasetStore:
         if not DATASET_ID.match(dataset_id):
             raise KeyError(dataset_id)
         return self.root / dataset_id
-
-
-def _table_rows(path: Path, fmt: str) -> list[dict[str, Any]]:
-    """The rows of a checked table (its checks ran at upload), read by the same reader that
-    checked them (encoding, byte-order mark, CSV dialect)."""
-    return [row for _, row in table_rows(path, fmt)]
 
 
 def _sha256(path: Path) -> str:

@@ -34,6 +34,17 @@ HEAD_SHARE = 0.25  # head_tail keeps the first quarter and the last three quarte
 # usually at the end of a review)
 
 
+def text_problem(value: str) -> str | None:
+    """Why ``value`` is no text the tokenizer (or a JSON answer, a log, a file name) can take,
+    or None: a lone surrogate (a JSON "\\ud800" escape, a tar member's name that was not
+    UTF-8) cannot be written as UTF-8."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"is not valid Unicode at character {e.start} (a lone surrogate)"
+    return None
+
+
 def head_tail_cut(n: int, budget: int) -> tuple[int, int]:
     """How many leading and trailing pieces of ``n`` to keep within ``budget``."""
     if n <= budget:

@@ -37,6 +37,8 @@ from typing import Any
 
 from PIL import Image
 
+from vit_service.data.tokenizer import text_problem
+
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val")
@@ -63,16 +65,6 @@ class DatasetLimits:
     # under the 255 bytes a file system allows)
 
 
-def _text_problem(value: str) -> str | None:
-    """Why ``value`` cannot be kept as text, or None: a lone surrogate (a JSON "\\ud800"
-    escape, or a tar member's name that was not UTF-8) cannot be written as UTF-8."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return f"is not valid Unicode at character {e.start}"
-    return None
-
-
 # ----------------------------------------------------------------------------- images
 
 
@@ -82,7 +74,7 @@ def _member_path(name: str, limits: DatasetLimits) -> str | None:
     raises."""
     if any(part in name for part in IGNORED) or name.endswith("/"):
         return None
-    problem = _text_problem(name)
+    problem = text_problem(name)
     if problem:
         raise DatasetError(f"member {name!r}: its name {problem}")
     if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
@@ -283,7 +275,7 @@ def inspect_text_table(path: Path, fmt: str, limits: DatasetLimits) -> tuple[
                 isinstance(label, float) and not math.isfinite(label)):
             raise DatasetError(f"line {n}: 'label' must be a string or a finite number")
         for field, value in (("text", text), ("label", str(label))):
-            problem = _text_problem(value)
+            problem = text_problem(value)
             if problem:
                 raise DatasetError(f"line {n}: {field!r} {problem}")
         if len(text) > limits.max_text_chars:

@@ -7,6 +7,7 @@ plain dict saved with checkpoints and logged to MLflow, and back.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, fields, replace
 from typing import Any
 
@@ -88,12 +89,15 @@ RATES = ("drop_rate", "attn_drop_rate", "drop_path_rate", "patch_dropout")  # in
 
 
 def check_sizes(config: ModelConfig) -> None:
-    """Refuse a config no model can be built from: a size below 1, a negative count, a rate
-    outside [0, 1) (ValueError naming the field; a job override gets a 422 before it runs)."""
+    """Refuse a config no model can be built from: a number that is not finite, a size below
+    1, a negative count, a rate outside [0, 1) (ValueError naming the field; a job override
+    gets a 422 before it runs)."""
     for f in fields(config):
         v = getattr(config, f.name)
         if isinstance(v, bool) or not isinstance(v, int | float):
             continue
+        if isinstance(v, float) and not math.isfinite(v):  # a JSON job body's 1e999 is inf
+            raise ValueError(f"{f.name} must be a finite number, got {v}")
         if f.name in POSITIVE and not v > 0:
             raise ValueError(f"{f.name} must be > 0, got {v}")
         if f.name in RATES and not 0 <= v < 1:
