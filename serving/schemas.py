@@ -6,7 +6,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from vit_service.data.tokenizer import text_problem
 
@@ -169,13 +169,15 @@ class TextPredictRequest(BaseModel):
     model: str | None = Field(
         None, min_length=1, max_length=200, description="served model name (default: settings)"
     )
-    top_k: int = Field(2, ge=1, le=1000)
+    # strict: JSON `true` is no count and `1` or "yes" no flag (lax mode would take them)
+    top_k: int = Field(2, ge=1, le=1000, strict=True)
     attention: AttentionKind | list[AttentionKind] = Field(
         AttentionKind.rollout, description="one kind or several, e.g. [\"heads\", \"relevance\"]")
-    target: Annotated[str, Field(max_length=200)] | int | None = Field(
+    target: Annotated[str, Field(max_length=200)] | StrictInt | None = Field(
         None, description="class label or index to explain (relevance, faithfulness); default: "
         "the predicted class")
-    faithfulness: bool = Field(False, description="also return deletion/insertion curves")
+    faithfulness: bool = Field(False, strict=True,
+                               description="also return deletion/insertion curves")
     encoding: AttentionEncoding = Field(
         AttentionEncoding.json, description="attention arrays as JSON lists or f16-base64")
 

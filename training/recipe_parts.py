@@ -8,11 +8,14 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from vit_service.models import get_config, list_models
+from vit_service.value_types import type_problem
 
 SEED_MAX = 2**32 - 1  # numpy's seed range; torch takes less than 2**64
+WRONG_TYPE = "wrong_type"  # the error type of a value refused by Strict._no_coercion
 COUNT_MAX = 10**9  # examples or steps: more than any data set here
 RUN_ID = re.compile(r"[0-9a-f]{32}")  # an MLflow run id (fullmatch)
 
@@ -21,6 +24,16 @@ class Strict(BaseModel):
     # allow_inf_nan: an lr or a rate of inf / nan is no setting ("1e999" in a JSON job body
     # parses to inf)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_coercion(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads `epochs: true` as 1 and `hflip: 1` as true: in a job body
+        # each is a mistake, refused here (strings were read by YAML rules before: "3" is 3)
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and (problem := type_problem(value, field.annotation)):
+            raise PydanticCustomError(WRONG_TYPE, problem)
+        return value
 
 
 class ModelSpec(Strict):

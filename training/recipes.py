@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from training.recipe_parts import WRONG_TYPE
 from training.recipe_schema import Recipe
 
 __all__ = [
@@ -124,6 +125,8 @@ def validate_recipe(raw: Mapping[str, Any]) -> Recipe:
                 msg = "unknown key"
             elif err["type"] == "missing":
                 msg = "required key is missing"
+            elif err["type"] == WRONG_TYPE:  # the message shows the value
+                msg = err["msg"]
             elif isinstance(err.get("input"), dict):  # a table-level check: no dump
                 msg = str(err["msg"]).removeprefix("Value error, ")
             else:

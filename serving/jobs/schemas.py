@@ -25,9 +25,10 @@ class JobCreate(BaseModel):
         "(null unsets an optional field, e.g. budget_minutes: train by epochs)",
     )
     name: str = Field("", max_length=200, description="a label for people")
-    nprocs: int = Field(1, ge=1, description="processes (torchrun/DDP) for this job")
-    priority: int = Field(0, ge=-10, le=10, description="admission order: higher starts "
-                          "first; equal priorities in submission order")
+    # strict: JSON `true` or "2" is no count (lax mode would take them as 1 and 2)
+    nprocs: int = Field(1, ge=1, strict=True, description="processes (torchrun/DDP) for this job")
+    priority: int = Field(0, ge=-10, le=10, strict=True, description="admission order: "
+                          "higher starts first; equal priorities in submission order")
 
 
 class JobList(BaseModel):

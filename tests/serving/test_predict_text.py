@@ -70,6 +70,11 @@ def test_text_errors(client) -> None:
         ({"text": ["fine", ""]}, 422),
         ({}, 422),
         ({"text": "ok", "top_k": 0}, 422),
+        ({"text": "ok", "top_k": True}, 422),  # no coercion: true is no count, 1 no flag
+        ({"text": "ok", "top_k": "2"}, 422),
+        ({"text": "ok", "faithfulness": 1}, 422),
+        ({"text": "ok", "faithfulness": "yes"}, 422),
+        ({"text": "ok", "target": True}, 422),
         ({"text": "ok", "attention": "all"}, 422),
         ({"text": "ok", "unexpected": 1}, 422),
         ({"text": "ok", "model": "nope"}, 404),

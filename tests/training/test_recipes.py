@@ -116,3 +116,30 @@ def test_generic_recipes_take_an_uploaded_data_set_and_a_name() -> None:
     assert not load_recipe("cifar10-smoke").uploaded
     with pytest.raises(RecipeError, match="register_as"):
         load_recipe("cifar10-smoke", {"register_as": "pets"})  # built-in data: the fixed name
+
+
+@pytest.mark.parametrize(("key", "value", "says"), [
+    ("epochs", True, "expected an integer, got True"),  # pydantic's lax mode read 1
+    ("budget_minutes", False, "expected a number, got False"),
+    ("augment.hflip", 1, "expected true or false, got 1"),
+    ("optim.betas", [0.9, True], "expected a number, got True"),
+    ("augment.resolution_schedule", [[0.5, True]], "expected an integer, got True"),
+    ("init.from", 5, "expected a string, got 5"),
+    ("model.overrides.depth", True, "depth: expected an integer"),
+    ("model.overrides.pool", 3, "pool: expected one of"),
+])
+def test_a_json_value_of_the_wrong_type_is_refused_not_coerced(key: str, value: object,
+                                                                 says: str) -> None:
+    """A job body's JSON value is taken as it is: `true` is no epoch count, `1` no flag."""
+    with pytest.raises(RecipeError) as exc:
+        load_recipe("cifar10-smoke", {key: value})
+    section = key if not key.startswith("model.") else "model"
+    assert any(k == section and says in m for k, m in exc.value.errors), exc.value.errors
+
+
+def test_strings_are_still_read_as_yaml_and_ints_are_numbers() -> None:
+    """`--set` values are strings read by YAML rules, and an int is a valid float."""
+    r = load_recipe("cifar10-smoke", {"epochs": "3", "augment.hflip": "true", "optim.lr": 1,
+                                      "optim.betas": "[0.9, 0.95]", "budget_minutes": 2})
+    assert (r.epochs, r.augment.hflip, r.optim.lr) == (3, True, 1.0)
+    assert r.optim.betas == (0.9, 0.95) and r.budget_minutes == 2

@@ -8,6 +8,7 @@ plain dict saved with checkpoints and logged to MLflow, and back.
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import asdict, fields, replace
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from vit_service.models.text import TextConfig, TextTransformer
 from vit_service.models.vit import ViT, ViTConfig
+from vit_service.value_types import type_problem
 
 ModelConfig = ViTConfig | TextConfig
 
@@ -77,6 +79,7 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
     unknown = set(overrides) - valid
     if unknown:
         raise TypeError(f"unknown override(s) {sorted(unknown)} for {name}; valid: {sorted(valid)}")
+    check_types(type(config), overrides)
     out = replace(config, **overrides)
     check_sizes(out)
     return out
@@ -86,6 +89,16 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
 POSITIVE = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads",
             "mlp_ratio", "vocab_size", "max_len")
 RATES = ("drop_rate", "attn_drop_rate", "drop_path_rate", "patch_dropout")  # in [0, 1)
+
+
+def check_types(config_cls: type, values: dict[str, Any]) -> None:
+    """Refuse a value not of its field's type as written (``depth: true``, ``depth: "3"``,
+    ``pool: 3``): a dataclass takes anything, and the model would fail or silently take
+    ``true`` as 1 (ValueError naming the field)."""
+    hints = typing.get_type_hints(config_cls)
+    for key, value in values.items():
+        if key in hints and (problem := type_problem(value, hints[key])) is not None:
+            raise ValueError(f"{key}: {problem}")
 
 
 def check_sizes(config: ModelConfig) -> None:

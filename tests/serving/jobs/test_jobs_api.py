@@ -76,6 +76,10 @@ def test_auth_is_required(server: Server) -> None:
     ({"recipe": "cifar10-smoke", "overrides": {"model.pos_encoding": "spiral"}}, "pos_encoding"),
     ({"recipe": "cifar10-smoke", "command": "rm -rf /"}, "command"),
     ({"recipe": "cifar10-smoke", "priority": 11}, "priority"),
+    ({"recipe": "cifar10-smoke", "priority": True}, "priority"),  # no coercion to 1
+    ({"recipe": "cifar10-smoke", "nprocs": "2"}, "nprocs"),
+    ({"recipe": "cifar10-smoke", "overrides": {"epochs": True}}, "expected an integer"),
+    ({"recipe": "cifar10-smoke", "overrides": {"augment.hflip": 1}}, "expected true or false"),
     ({"recipe": "cifar10-smoke", "overrides": {"data.data_dir": "/etc"}}, ""),
     ({"recipe": "cifar10-smoke", "overrides": {"augment.resolution_schedule": "[[0.5, 12]]"}},
      "multiple of the patch size"),

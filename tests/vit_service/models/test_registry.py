@@ -52,3 +52,17 @@ def test_config_round_trip_rebuilds_the_same_model() -> None:
     m2.load_state_dict(m.state_dict())
     ids = torch.randint(5, 1000, (2, 9))
     torch.testing.assert_close(m.eval()(ids), m2.eval()(ids))
+
+
+@pytest.mark.parametrize(("override", "says"), [
+    ({"depth": True}, "depth: expected an integer, got True"),  # a dataclass would build 1
+    ({"depth": "3"}, "depth: expected an integer, got '3'"),  # range("3") deep in the build
+    ({"pool": 3}, "pool: expected one of 'cls', 'mean', got 3"),
+    ({"pool": "max"}, "got 'max'"), ({"qkv_bias": "no"}, "qkv_bias: expected true or false"),
+    ({"drop_rate": True}, "drop_rate: expected a number"),
+])
+def test_an_override_of_the_wrong_type_names_the_field(override: dict, says: str) -> None:
+    with pytest.raises(ValueError) as e:
+        get_config("vit_test", **override)
+    assert says in str(e.value)
+    assert get_config("vit_test", drop_rate=0, mlp_ratio=2).mlp_ratio == 2  # an int is a float

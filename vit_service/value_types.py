@@ -1,0 +1,78 @@
+"""Is this value of this annotated type, without coercion?
+
+A recipe override or a model override arrives from a JSON job body or a YAML file, where
+``true`` for an epoch count, ``"3"`` for a depth or ``1`` for a flag is a mistake, not a
+request: pydantic's lax mode (and a plain dataclass) would take ``true`` as 1 and ``"3"`` as 3,
+or keep the string until the run fails. :func:`type_problem` is the one strict check both
+places use (``training.recipe_parts.Strict``, ``vit_service.models.registry.check_types``).
+Only the types those configs use are judged (bool, int, float, str, Literal, unions,
+lists / tuples / dicts of them); any other annotation (a nested pydantic model, a class)
+is left to its own validation.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any
+
+_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def type_problem(value: Any, annotation: Any) -> str | None:
+    """None when ``value`` is of type ``annotation`` as written (an int is a float, a bool is
+    no int, a string is no number), else what was expected and what came."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if annotation is Any:
+        return None
+    if origin is typing.Annotated:
+        return type_problem(value, args[0])
+    if annotation is None or annotation is type(None):
+        return None if value is None else f"expected null, got {_shown(value)}"
+    if origin is typing.Union or origin is types.UnionType:
+        problems = [type_problem(value, a) for a in args]
+        if any(p is None for p in problems):
+            return None
+        return next(p for p in problems if p is not None)
+    if origin is typing.Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return None
+        return f"expected one of {', '.join(map(repr, args))}, got {_shown(value)}"
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            return f"expected a list, got {_shown(value)}"
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                return f"expected {len(args)} items, got {len(value)}"
+            items = zip(value, args, strict=True)
+        else:
+            items = ((v, args[0] if args else Any) for v in value)
+        for v, a in items:
+            if (p := type_problem(v, a)) is not None:
+                return p
+        return None
+    if origin is dict:
+        if not isinstance(value, dict):
+            return f"expected a mapping, got {_shown(value)}"
+        key_type, value_type = args or (Any, Any)
+        for k, v in value.items():
+            if (p := type_problem(k, key_type) or type_problem(v, value_type)) is not None:
+                return p
+        return None
+    if annotation is bool:
+        ok = isinstance(value, bool)
+    elif annotation is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif annotation is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    elif annotation is str:
+        ok = isinstance(value, str)
+    else:
+        return None  # a nested model or a class: its own validation judges it
+    return None if ok else f"expected {_NAMES[annotation]}, got {_shown(value)}"
