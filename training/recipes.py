@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import copy
 import re
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from training.recipe_parts import WRONG_TYPE
 from training.recipe_schema import Recipe
 
 __all__ = [
     "RECIPES_DIR", "Recipe", "RecipeError", "apply_overrides", "flatten", "list_recipes",
-    "load_recipe", "parse_overrides", "parse_value", "recipe_path", "validate_recipe",
+    "load_recipe", "parse_override", "parse_overrides", "parse_value", "recipe_path",
+    "validate_recipe",
 ]
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
@@ -56,6 +59,49 @@ def parse_value(value: Any) -> Any:
         return value
 
 
+def parse_override(key: str, value: Any) -> Any:
+    """The value of the dotted recipe ``key`` as :func:`parse_value` reads it, except that a
+    field that takes only text keeps the string as sent: a data set id of sixteen digits, or
+    a run name ``2024``, is not a number (``null`` still unsets an optional one)."""
+    parsed = parse_value(value)
+    if isinstance(value, str) and parsed is not None and not isinstance(parsed, str) \
+            and _text_field(key.split(".")):
+        return value
+    return parsed
+
+
+def _text_field(path: list[str]) -> bool:
+    """Whether the recipe field at ``path`` takes only strings (and maybe null)."""
+    model: Any = Recipe
+    for i, part in enumerate(path):
+        fields = {f.alias or n: f for n, f in model.model_fields.items()} | model.model_fields
+        field = fields.get(part)
+        if field is None:
+            return False
+        arms = [a for a in _arms(field.annotation) if a is not type(None)]
+        if i == len(path) - 1:
+            return bool(arms) and all(_is_text(a) for a in arms)
+        nested = [a for a in arms if isinstance(a, type) and issubclass(a, BaseModel)]
+        if len(nested) != 1:
+            return False
+        model = nested[0]
+    return False
+
+
+def _arms(annotation: Any) -> list[Any]:
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _arms(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [a for arm in typing.get_args(annotation) for a in _arms(arm)]
+    return [annotation]
+
+
+def _is_text(annotation: Any) -> bool:
+    if typing.get_origin(annotation) is typing.Literal:
+        return all(isinstance(a, str) for a in typing.get_args(annotation))
+    return annotation is str
+
+
 def _fix_floats(obj: Any) -> Any:
     if isinstance(obj, str) and _FLOAT_RE.match(obj.strip()) and not obj.strip().isdigit():
         return float(obj)
@@ -85,7 +131,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Mapping[str, Any]) -> dict[s
                 break
             node = node[p]
         else:
-            node[parts[-1]] = parse_value(value)
+            node[parts[-1]] = parse_override(str(key), value)
     if errors:
         raise RecipeError("bad override(s):", errors)
     return out

@@ -27,44 +27,50 @@ def _shown(value: Any) -> str:
 def type_problem(value: Any, annotation: Any) -> str | None:
     """None when ``value`` is of type ``annotation`` as written (an int is a float, a bool is
     no int, a string is no number), else what was expected and what came."""
+    miss = _mismatch(value, annotation)
+    return None if miss is None else f"expected {miss[0]}, got {_shown(miss[1])}"
+
+
+def _mismatch(value: Any, annotation: Any) -> tuple[str, Any] | None:
+    """None when ``value`` fits ``annotation``, else (what was expected, the value that did
+    not fit: ``value`` or an item of it)."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if annotation is Any:
         return None
     if origin is typing.Annotated:
-        return type_problem(value, args[0])
+        return _mismatch(value, args[0])
     if annotation is None or annotation is type(None):
-        return None if value is None else f"expected null, got {_shown(value)}"
+        return None if value is None else ("null", value)
     if origin is typing.Union or origin is types.UnionType:
-        problems = [type_problem(value, a) for a in args]
-        if any(p is None for p in problems):
+        misses = [_mismatch(value, a) for a in args]
+        if any(m is None for m in misses):
             return None
-        return next(p for p in problems if p is not None)
+        inner = [m for m in misses if m is not None and m[1] is not value]
+        if inner:  # the value has an arm's shape but an item of it does not fit: name it
+            return inner[0]
+        return " or ".join(dict.fromkeys(m[0] for m in misses if m is not None)), value
     if origin is typing.Literal:
         if any(value == a and type(value) is type(a) for a in args):
             return None
-        return f"expected one of {', '.join(map(repr, args))}, got {_shown(value)}"
+        return f"one of {', '.join(map(repr, args))}", value
     if origin in (list, tuple):
         if not isinstance(value, list | tuple):
-            return f"expected a list, got {_shown(value)}"
+            return "a list", value
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
-                return f"expected {len(args)} items, got {len(value)}"
+                return f"{len(args)} items", value
             items = zip(value, args, strict=True)
         else:
             items = ((v, args[0] if args else Any) for v in value)
-        for v, a in items:
-            if (p := type_problem(v, a)) is not None:
-                return p
-        return None
+        return next((m for v, a in items if (m := _mismatch(v, a)) is not None), None)
     if origin is dict:
         if not isinstance(value, dict):
-            return f"expected a mapping, got {_shown(value)}"
+            return "a mapping", value
         key_type, value_type = args or (Any, Any)
-        for k, v in value.items():
-            if (p := type_problem(k, key_type) or type_problem(v, value_type)) is not None:
-                return p
-        return None
+        return next((m for k, v in value.items()
+                     if (m := _mismatch(k, key_type) or _mismatch(v, value_type)) is not None),
+                    None)
     if annotation is bool:
         ok = isinstance(value, bool)
     elif annotation is int:
@@ -75,4 +81,4 @@ def type_problem(value: Any, annotation: Any) -> str | None:
         ok = isinstance(value, str)
     else:
         return None  # a nested model or a class: its own validation judges it
-    return None if ok else f"expected {_NAMES[annotation]}, got {_shown(value)}"
+    return None if ok else (_NAMES[annotation], value)

@@ -6,9 +6,11 @@ Built from a job's validated recipe name and typed overrides only, never from a 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from serving.jobs.model import Job
 from training.progress import Event
+from training.recipes import parse_override
 
 
 def train_command(job: Job, python: str, resume: str | None) -> list[str]:
@@ -21,7 +23,7 @@ def train_command(job: Job, python: str, resume: str | None) -> list[str]:
         train += ["--resume", resume]
     if resume != "auto":
         for key, value in job.overrides.items():
-            train += ["--set", f"{key}={json.dumps(value)}"]  # JSON scalars parse as YAML
+            train += ["--set", _setting(key, value)]
     if job.nprocs > 1:
         return [python, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={job.nprocs}", *train]
@@ -38,8 +40,15 @@ def ray_train_command(job: Job, python: str, *, storage: str, cpus_per_worker: f
            "--gpus-per-worker", f"{gpus_per_worker:g}", "--storage", storage,
            "--max-failures", str(max_failures), "--placement", placement]
     for key, value in job.overrides.items():
-        cmd += ["--set", f"{key}={json.dumps(value)}"]
+        cmd += ["--set", _setting(key, value)]
     return cmd
+
+
+def _setting(key: str, value: Any) -> str:
+    """``key=<JSON>`` of the value the job was validated with: the trainer reads JSON as YAML
+    and gets that value back (a job stored before its values were typed at submission, with
+    ``"3"`` for a count, still gets 3, not the string)."""
+    return f"{key}={json.dumps(parse_override(key, value))}"
 
 
 # Run by the job's interpreter before the trainer (standard library only: it must run where

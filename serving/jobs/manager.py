@@ -160,6 +160,7 @@ class JobManager:
             raise JobError(422, f"nprocs must be between 1 and {self.settings.jobs_max_procs}")
         for where, value in (("recipe", recipe), ("name", name), ("overrides", overrides)):
             validation.check_text(where, value)
+        overrides = validation.typed_overrides(overrides)
         roots = [self.settings.data_dir.resolve(), self.settings.home.resolve()]
         overrides = validation.resolve_paths(overrides, roots)
         validation.check_caps(overrides, self.settings)

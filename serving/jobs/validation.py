@@ -37,6 +37,16 @@ def check_text(where: str, value: Any) -> None:
             check_text(f"{where}[{i}]", v)
 
 
+def typed_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Each override as the recipe reads it (:func:`training.recipes.parse_override`: a JSON
+    string ``"3"`` is the count 3, ``"[0.9, 0.95]"`` a list, a text field's string stays
+    text). The job checks, stores, shows and passes to the trainer this one value, so a cap
+    sees the count a string spells, and the trainer reads what was validated."""
+    from training.recipes import parse_override
+
+    return {k: parse_override(k, v) for k, v in overrides.items()}
+
+
 def validate_recipe(recipe: str, overrides: dict[str, Any]) -> None:
     """Only known recipe *names* (never a path), overrides checked against the recipe schema."""
     from training.recipes import RecipeError, list_recipes, load_recipe

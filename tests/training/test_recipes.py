@@ -120,11 +120,11 @@ def test_generic_recipes_take_an_uploaded_data_set_and_a_name() -> None:
 
 @pytest.mark.parametrize(("key", "value", "says"), [
     ("epochs", True, "expected an integer, got True"),  # pydantic's lax mode read 1
-    ("budget_minutes", False, "expected a number, got False"),
+    ("budget_minutes", False, "expected a number or null, got False"),
     ("augment.hflip", 1, "expected true or false, got 1"),
     ("optim.betas", [0.9, True], "expected a number, got True"),
     ("augment.resolution_schedule", [[0.5, True]], "expected an integer, got True"),
-    ("init.from", 5, "expected a string, got 5"),
+    ("init.from", 5, "expected a string or null, got 5"),
     ("model.overrides.depth", True, "depth: expected an integer"),
     ("model.overrides.pool", 3, "pool: expected one of"),
 ])
@@ -143,3 +143,18 @@ def test_strings_are_still_read_as_yaml_and_ints_are_numbers() -> None:
                                       "optim.betas": "[0.9, 0.95]", "budget_minutes": 2})
     assert (r.epochs, r.augment.hflip, r.optim.lr) == (3, True, 1.0)
     assert r.optim.betas == (0.9, 0.95) and r.budget_minutes == 2
+
+
+def test_a_text_field_keeps_the_string_that_looks_like_a_number() -> None:
+    """A data set id of sixteen digits (or one YAML reads as a float), a name "2024": text
+    fields keep the string as sent; "null" still unsets an optional one."""
+    from training.recipes import parse_override
+
+    for key, value in (("data.dataset", "1234567890123456"), ("data.dataset", "12345678e9012345"),
+                       ("register_as", "2024"), ("init.from", "123")):
+        assert parse_override(key, value) == value
+    assert parse_override("init.from", "null") is None
+    assert parse_override("epochs", "3") == 3 and parse_override("data.pseudo_labels", "x") == "x"
+    r = load_recipe("image-classifier-cpu", {"data.dataset": "1234567890123456",
+                                             "register_as": "2024"})
+    assert (r.data.dataset, r.register_as) == ("1234567890123456", "2024")

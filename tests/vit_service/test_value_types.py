@@ -24,11 +24,14 @@ def test_a_value_of_its_type_passes(value: Any, annotation: Any) -> None:
     ("yes", bool, "expected true or false"), (5, str, "expected a string, got 5"),
     (True, int | None, "expected an integer"), (3, Literal["cls", "mean"], "one of 'cls'"),
     (True, Literal[1, 2], "one of 1, 2"),  # True == 1, but no Literal 1
-    ([0.9], tuple[float, float], "expected 2 items, got 1"),
+    ([0.9], tuple[float, float], "expected 2 items, got [0.9]"),
     ([0.9, True], tuple[float, float], "expected a number, got True"),
     ([[0.5, True]], list[tuple[float, int]], "expected an integer, got True"),
     (0.5, list[int], "expected a list"), ([1], dict[str, Any], "expected a mapping"),
     ("x" * 100, int, "..."),  # a long value is shown cut
+    (True, Literal["cifar10", "imdb"] | str, "expected one of 'cifar10', 'imdb' or a string"),
+    (5, str | None, "expected a string or null, got 5"),
+    (["a", 1], str | list[str], "expected a string, got 1"),  # the item that does not fit
 ])
 def test_a_value_of_another_type_is_named(value: Any, annotation: Any, says: str) -> None:
     problem = type_problem(value, annotation)

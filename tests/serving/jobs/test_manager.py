@@ -220,6 +220,37 @@ def test_train_command_runs_the_cli_module_under_torchrun(settings: Settings) ->
     assert mgr.executor.command(one)[:3] == [sys.executable, "-m", "vit_service.cli"]
 
 
+def test_the_trainer_reads_the_values_the_job_was_validated_with(settings: Settings) -> None:
+    """A JSON string that spells a count or a list ("3", "[0.9, 0.95]") is the value the
+    submission validates, caps, stores and shows, and the trainer's command line carries that
+    value: it reached the trainer as the string '3' (refused there) or '[0.9, 0.95]' (no
+    list). A text field keeps its string: a data set id of sixteen digits is no number."""
+    from training.recipes import load_recipe, parse_overrides
+
+    mgr = JobManager(settings)
+    sent = {"epochs": "3", "optim.betas": "[0.9, 0.95]", "augment.hflip": "true"}
+    job = mgr.submit("cifar10-smoke", sent)
+    assert job.overrides == {"epochs": 3, "optim.betas": [0.9, 0.95], "augment.hflip": True}
+    # a job stored before its values were typed at submission runs with the same values
+    legacy = mgr.store.create(name="old", recipe="cifar10-smoke", overrides=sent, nprocs=1,
+                              runs_root=mgr.runs_root)
+    for j in (job, legacy):
+        cmd = mgr.executor.command(j)
+        pairs = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"]
+        r = load_recipe("cifar10-smoke", parse_overrides(pairs))
+        assert (r.epochs, r.optim.betas, r.augment.hflip) == (3, (0.9, 0.95), True), pairs
+    digits = mgr.store.create(name="id", recipe="image-classifier-cpu", nprocs=1,
+                              overrides={"data.dataset": "1234567890123456"},
+                              runs_root=mgr.runs_root)
+    cmd = mgr.executor.command(digits)
+    pairs = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"]
+    assert load_recipe("image-classifier-cpu",
+                       parse_overrides(pairs)).data.dataset == "1234567890123456"
+    with pytest.raises(JobError) as e:  # a cap sees the count a string spells
+        mgr.submit("cifar10-smoke", {"epochs": str(settings.jobs_max_epochs + 1)})
+    assert e.value.status == 422 and "limit" in str(e.value.detail)
+
+
 @pytest.mark.parametrize("overrides", [
     {"init.from": "/etc/passwd"},  # never checked before: the key has no path-like suffix
     {"init": {"from": "../../etc/shadow"}},  # nested, relative
