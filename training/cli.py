@@ -215,13 +215,13 @@ def resume_conflicts(ckpt_recipe: Mapping[str, Any], overrides: Mapping[str, Any
     """``(key, message)`` for each dotted override that would change the checkpoint's recipe
     (``ckpt["recipe"]``); execution settings (:data:`RESUME_KEYS`) and overrides whose parsed
     value equals the checkpoint's are not conflicts."""
-    from training.recipes import parse_value
+    from training.recipes import parse_override
 
     out: list[tuple[str, str]] = []
     for key, value in overrides.items():
         if key in RESUME_KEYS:
             continue
-        want = parse_value(value)
+        want = parse_override(key, value)  # as apply_overrides reads it
         have = _lookup(ckpt_recipe, key)
         if have is _MISSING:
             out.append((key, f"not in the checkpoint's recipe (requested {want!r})"))

@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import copy
+import json
+import math
 import re
 import types
 import typing
@@ -23,9 +25,9 @@ from training.recipe_parts import WRONG_TYPE
 from training.recipe_schema import Recipe
 
 __all__ = [
-    "RECIPES_DIR", "Recipe", "RecipeError", "apply_overrides", "flatten", "list_recipes",
-    "load_recipe", "parse_override", "parse_overrides", "parse_value", "recipe_path",
-    "validate_recipe",
+    "RECIPES_DIR", "Recipe", "RecipeError", "apply_overrides", "flatten", "is_text_field",
+    "list_recipes", "load_recipe", "parse_override", "parse_overrides", "parse_value",
+    "recipe_path", "setting_text", "setting_texts", "validate_recipe",
 ]
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
@@ -53,25 +55,59 @@ def parse_value(value: Any) -> Any:
         return value
     if _FLOAT_RE.match(value.strip()):
         return int(value) if re.fullmatch(r"[+-]?\d+", value.strip()) else float(value)
+    read = _read_yaml(value)
+    return value if read is _UNREADABLE else _fix_floats(read)
+
+
+_UNREADABLE = object()
+
+
+def _read_yaml(value: str) -> Any:
     try:
-        return _fix_floats(yaml.safe_load(value)) if value.strip() else ""
+        return yaml.safe_load(value) if value.strip() else ""
     except yaml.YAMLError:
-        return value
+        return _UNREADABLE
 
 
 def parse_override(key: str, value: Any) -> Any:
     """The value of the dotted recipe ``key`` as :func:`parse_value` reads it, except that a
-    field that takes only text keeps the string as sent: a data set id of sixteen digits, or
-    a run name ``2024``, is not a number (``null`` still unsets an optional one)."""
-    parsed = parse_value(value)
-    if isinstance(value, str) and parsed is not None and not isinstance(parsed, str) \
-            and _text_field(key.split(".")):
-        return value
-    return parsed
+    field that takes only text keeps the text: a data set id of sixteen digits (or digits
+    and one ``e``) or a name ``2024`` is not a number (``null`` still unsets an optional
+    one, and a quoted string is its content)."""
+    if not isinstance(value, str) or not _text_field(key.split(".")):
+        return parse_value(value)
+    read = _read_yaml(value)
+    return read if read is None or isinstance(read, str) else value
+
+
+def setting_text(value: Any) -> str:
+    """The ``--set`` text that :func:`parse_override` reads back as exactly ``value`` (a typed
+    override: a job's stored value): a string double-quoted with YAML's escapes (so no
+    ``#``, ``: ``, ``on`` or ``3`` inside it is read as anything but text), a number, bool or
+    null as JSON, a list or table in YAML's flow style."""
+    if isinstance(value, str):
+        text = yaml.safe_dump(value, default_style='"', allow_unicode=True, width=math.inf)
+    elif isinstance(value, list | tuple | dict):
+        text = yaml.safe_dump(value, default_flow_style=True, allow_unicode=True,
+                              width=math.inf)
+    else:
+        return json.dumps(value)
+    return text.removesuffix("\n...\n").strip()
+
+
+def setting_texts(overrides: Mapping[str, Any]) -> dict[str, str]:
+    """:func:`setting_text` of each typed override: what a job's trainer is given, and what
+    its submission validates, so both read the same values."""
+    return {k: setting_text(v) for k, v in overrides.items()}
+
+
+def is_text_field(key: str) -> bool:
+    """Whether the recipe field at dotted ``key`` takes only strings (and maybe null): a data
+    set id, a name, a path."""
+    return _text_field(key.split("."))
 
 
 def _text_field(path: list[str]) -> bool:
-    """Whether the recipe field at ``path`` takes only strings (and maybe null)."""
     model: Any = Recipe
     for i, part in enumerate(path):
         fields = {f.alias or n: f for n, f in model.model_fields.items()} | model.model_fields
@@ -102,13 +138,16 @@ def _is_text(annotation: Any) -> bool:
     return annotation is str
 
 
-def _fix_floats(obj: Any) -> Any:
+def _fix_floats(obj: Any, path: tuple[str, ...] = ()) -> Any:
+    """``obj`` with each string that spells a float (``1e-3``, which YAML 1.1 leaves a string)
+    made a float, except in fields that take only text (``path``: where ``obj`` sits in a
+    recipe; a data set id ``12345678e9012345`` is no number)."""
     if isinstance(obj, str) and _FLOAT_RE.match(obj.strip()) and not obj.strip().isdigit():
-        return float(obj)
+        return obj if path and _text_field(list(path)) else float(obj)
     if isinstance(obj, dict):
-        return {k: _fix_floats(v) for k, v in obj.items()}
+        return {k: _fix_floats(v, (*path, str(k))) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_fix_floats(v) for v in obj]
+        return [_fix_floats(v, path) for v in obj]
     return obj
 
 

@@ -5,12 +5,11 @@ Built from a job's validated recipe name and typed overrides only, never from a 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from serving.jobs.model import Job
 from training.progress import Event
-from training.recipes import parse_override
+from training.recipes import setting_text
 
 
 def train_command(job: Job, python: str, resume: str | None) -> list[str]:
@@ -45,10 +44,9 @@ def ray_train_command(job: Job, python: str, *, storage: str, cpus_per_worker: f
 
 
 def _setting(key: str, value: Any) -> str:
-    """``key=<JSON>`` of the value the job was validated with: the trainer reads JSON as YAML
-    and gets that value back (a job stored before its values were typed at submission, with
-    ``"3"`` for a count, still gets 3, not the string)."""
-    return f"{key}={json.dumps(parse_override(key, value))}"
+    """``key=<text>`` that the trainer reads back as the job's typed value, exactly as its
+    submission validated it (:func:`training.recipes.setting_text`)."""
+    return f"{key}={setting_text(value)}"
 
 
 # Run by the job's interpreter before the trainer (standard library only: it must run where

@@ -233,9 +233,9 @@ class LocalExecutor:
         recipe, times ``nprocs``), capped at the machine's, so any job fits an idle machine.
         A CPU recipe without ``threads`` runs torch's default, every core: it takes them all;
         a GPU one takes a core per process (its threads mostly wait on the GPU)."""
-        from training.recipes import load_recipe
+        from training.recipes import load_recipe, setting_texts
 
-        recipe = load_recipe(job.recipe, job.overrides)
+        recipe = load_recipe(job.recipe, setting_texts(job.overrides))
         cpus = self.cpus
         if recipe.device == "cuda" or (recipe.device == "auto" and self.gpus > 0):
             return {"GPU": float(job.nprocs),

@@ -33,6 +33,7 @@ from serving.jobs.model import Job, JobError, JobState
 from serving.jobs.progress import read_progress, tail_lines
 from serving.jobs.resources import ResourceView
 from serving.jobs.store import JobStore, utcnow
+from training.recipes import setting_texts
 from vit_service.config import DEFAULT_PRINCIPAL, Settings
 
 log = logging.getLogger(__name__)
@@ -164,10 +165,12 @@ class JobManager:
         roots = [self.settings.data_dir.resolve(), self.settings.home.resolve()]
         overrides = validation.resolve_paths(overrides, roots)
         validation.check_caps(overrides, self.settings)
-        self.validate(recipe, overrides)
+        # checked as the trainer will read them: the --set texts its command line carries
+        as_read = setting_texts(overrides)
+        self.validate(recipe, as_read)
         if self.validate is validation.validate_recipe:  # a real recipe: its model can be counted
-            validation.check_model_size(recipe, overrides, self.settings.jobs_max_params)
-            validation.check_dataset(recipe, overrides, self.settings)
+            validation.check_model_size(recipe, as_read, self.settings.jobs_max_params)
+            validation.check_dataset(recipe, as_read, self.settings)
         self.executor.check()
         self._check_fits(Job.model_construct(recipe=recipe, overrides=overrides, nprocs=nprocs))
         with self._submit_lock:

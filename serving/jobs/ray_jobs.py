@@ -224,9 +224,9 @@ class RayExecutor:
     def worker_resources(self, job: Job) -> dict[str, float]:
         """What each process of the job asks: ``ray_cpus_per_proc`` CPUs, and a GPU for a
         ``device: cuda`` recipe (and ``auto`` with ``ray_auto_gpus``)."""
-        from training.recipes import load_recipe
+        from training.recipes import load_recipe, setting_texts
 
-        device = load_recipe(job.recipe, job.overrides).device
+        device = load_recipe(job.recipe, setting_texts(job.overrides)).device
         gpus = device == "cuda" or (device == "auto" and self.settings.ray_auto_gpus)
         return {"cpus_per_worker": self.settings.ray_cpus_per_proc,
                 "gpus_per_worker": 1.0 if gpus else 0.0}

@@ -38,13 +38,15 @@ def check_text(where: str, value: Any) -> None:
 
 
 def typed_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
-    """Each override as the recipe reads it (:func:`training.recipes.parse_override`: a JSON
-    string ``"3"`` is the count 3, ``"[0.9, 0.95]"`` a list, a text field's string stays
-    text). The job checks, stores, shows and passes to the trainer this one value, so a cap
-    sees the count a string spells, and the trainer reads what was validated."""
-    from training.recipes import parse_override
+    """Each override's one reading. A JSON string for a field that takes only text (a path, a
+    data set id, a name) is that text, as sent ("pets #1" is no "pets" and "2024" no number);
+    any other string is read by YAML rules as ``--set`` reads it (``"3"`` the count 3,
+    ``"[0.9, 0.95]"`` a list). The job caps, stores, shows and validates these values, and its
+    trainer gets them exactly (:func:`training.recipes.setting_text`), never read again."""
+    from training.recipes import is_text_field, parse_override
 
-    return {k: parse_override(k, v) for k, v in overrides.items()}
+    return {k: v if isinstance(v, str) and is_text_field(k) else parse_override(k, v)
+            for k, v in overrides.items()}
 
 
 def validate_recipe(recipe: str, overrides: dict[str, Any]) -> None:

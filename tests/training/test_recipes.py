@@ -158,3 +158,21 @@ def test_a_text_field_keeps_the_string_that_looks_like_a_number() -> None:
     r = load_recipe("image-classifier-cpu", {"data.dataset": "1234567890123456",
                                              "register_as": "2024"})
     assert (r.data.dataset, r.register_as) == ("1234567890123456", "2024")
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("description", "run 😀 # no comment: on"), ("description", "3"), ("description", "on"),
+    ("description", " x\n\t\x85\u2028\ufeff '\"\\ "), ("description", ""),
+    ("data.path", "/data/pets #1: cats"), ("data.dataset", "12345678e9012345"),
+    ("epochs", 3), ("optim.lr", 1e-05), ("optim.lr", 1e20), ("optim.lr", -0.0),
+    ("augment.hflip", True), ("budget_minutes", None), ("optim.betas", [0.9, 0.95]),
+    ("data.pseudo_labels", ["a b", "1e3 x", "😀 #"]), ("data", {"path": "/x #y", "subset": 5}),
+])
+def test_a_typed_value_survives_the_command_line_exactly(key: str, value: object) -> None:
+    """A job's stored value goes to its trainer as `--set key=<setting_text>` and is read
+    back as exactly that value: YAML syntax inside a string stays text."""
+    from training.recipes import parse_override, setting_text
+
+    text = parse_overrides([f"{key}={setting_text(value)}"])[key]
+    back = parse_override(key, text)
+    assert back == value and type(back) is type(value), (text, back)

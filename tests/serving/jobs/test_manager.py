@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -220,35 +221,46 @@ def test_train_command_runs_the_cli_module_under_torchrun(settings: Settings) ->
     assert mgr.executor.command(one)[:3] == [sys.executable, "-m", "vit_service.cli"]
 
 
-def test_the_trainer_reads_the_values_the_job_was_validated_with(settings: Settings) -> None:
-    """A JSON string that spells a count or a list ("3", "[0.9, 0.95]") is the value the
-    submission validates, caps, stores and shows, and the trainer's command line carries that
-    value: it reached the trainer as the string '3' (refused there) or '[0.9, 0.95]' (no
-    list). A text field keeps its string: a data set id of sixteen digits is no number."""
+def _trainer_reads(mgr: JobManager, job: Job) -> Any:
+    """The recipe the job's trainer builds from its command line's ``--set`` texts."""
     from training.recipes import load_recipe, parse_overrides
 
-    mgr = JobManager(settings)
-    sent = {"epochs": "3", "optim.betas": "[0.9, 0.95]", "augment.hflip": "true"}
-    job = mgr.submit("cifar10-smoke", sent)
-    assert job.overrides == {"epochs": 3, "optim.betas": [0.9, 0.95], "augment.hflip": True}
-    # a job stored before its values were typed at submission runs with the same values
-    legacy = mgr.store.create(name="old", recipe="cifar10-smoke", overrides=sent, nprocs=1,
-                              runs_root=mgr.runs_root)
-    for j in (job, legacy):
-        cmd = mgr.executor.command(j)
-        pairs = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"]
-        r = load_recipe("cifar10-smoke", parse_overrides(pairs))
-        assert (r.epochs, r.optim.betas, r.augment.hflip) == (3, (0.9, 0.95), True), pairs
-    digits = mgr.store.create(name="id", recipe="image-classifier-cpu", nprocs=1,
-                              overrides={"data.dataset": "1234567890123456"},
-                              runs_root=mgr.runs_root)
-    cmd = mgr.executor.command(digits)
+    cmd = mgr.executor.command(job)
     pairs = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"]
-    assert load_recipe("image-classifier-cpu",
-                       parse_overrides(pairs)).data.dataset == "1234567890123456"
-    with pytest.raises(JobError) as e:  # a cap sees the count a string spells
-        mgr.submit("cifar10-smoke", {"epochs": str(settings.jobs_max_epochs + 1)})
-    assert e.value.status == 422 and "limit" in str(e.value.detail)
+    return load_recipe(job.recipe, parse_overrides(pairs))
+
+
+def test_the_trainer_reads_the_values_the_job_was_validated_with(settings: Settings) -> None:
+    """One reading of each value, at submission: what is validated, capped, stored and shown
+    is what the trainer's command line carries. A JSON string that spells a count or a list
+    ("3", "[0.9, 0.95]") is that count or list; it reached the trainer as the string '3' or
+    as a string, not a list. A string read once is never read again: "'100000'" is the text
+    100000 (no count, so no way past the caps), "'on'" the text on, not true. Text is carried
+    exactly ('#' and ': ' inside a path, characters beyond the BMP), and a text field keeps
+    its string (a data set id of sixteen digits is no number)."""
+    mgr = JobManager(settings)
+    sent = {"epochs": "3", "optim.betas": "[0.9, 0.95]", "augment.hflip": "true",
+            "description": "run 😀 # not a comment: \\ \"q\" \u2028 on"}
+    job = mgr.submit("cifar10-smoke", sent)
+    assert job.overrides == {"epochs": 3, "optim.betas": [0.9, 0.95], "augment.hflip": True,
+                             "description": sent["description"]}
+    r = _trainer_reads(mgr, job)
+    assert (r.epochs, r.optim.betas, r.augment.hflip) == (3, (0.9, 0.95), True)
+    assert r.description == sent["description"]
+    for twice in ({"epochs": "'100000'"}, {"epochs": '"3"'}, {"augment.hflip": "'on'"},
+                  {"epochs": str(settings.jobs_max_epochs + 1)}):  # a cap sees the count
+        with pytest.raises(JobError) as e:
+            mgr.submit("cifar10-smoke", twice)
+        assert e.value.status == 422, twice
+    folder = settings.data_dir / "pets #1: cats"
+    folder.mkdir(parents=True)
+    job = mgr.submit("cifar10-smoke", {"data.dataset": "imagefolder", "register_as": None,
+                                       "data.path": "pets #1: cats"})
+    assert _trainer_reads(mgr, job).data.path == str(folder.resolve())
+    digits = mgr.store.create(name="id", recipe="image-classifier-cpu", nprocs=1,
+                              overrides={"data.dataset": "12345678e9012345"},
+                              runs_root=mgr.runs_root)
+    assert _trainer_reads(mgr, digits).data.dataset == "12345678e9012345"
 
 
 @pytest.mark.parametrize("overrides", [
