@@ -48,24 +48,31 @@ class RecipeError(ValueError):
         super().__init__("\n".join(lines))
 
 
-def parse_value(value: Any) -> Any:
+def parse_value(value: Any, path: tuple[str, ...] = ()) -> Any:
     """A string from the command line -> a Python value by YAML scalar rules (``2`` -> int,
-    ``1e-3`` -> float, ``null`` -> None, ``[0.9, 0.95]`` -> list); other values pass through."""
+    ``1e-3`` -> float, ``null`` -> None, ``[0.9, 0.95]`` -> list); other values pass through.
+    ``path``: where the value goes in a recipe (a text field inside a table keeps its float-
+    like strings). A string YAML cannot read, or one with anchors and aliases (whose expansion
+    can be exponential), stays the string."""
     if not isinstance(value, str):
         return value
     if _FLOAT_RE.match(value.strip()):
         return int(value) if re.fullmatch(r"[+-]?\d+", value.strip()) else float(value)
     read = _read_yaml(value)
-    return value if read is _UNREADABLE else _fix_floats(read)
+    return value if read is _UNREADABLE else _fix_floats(read, path)
 
 
 _UNREADABLE = object()
 
 
 def _read_yaml(value: str) -> Any:
+    if not value.strip():
+        return ""
     try:
-        return yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError:
+        if any(isinstance(t, yaml.AliasToken | yaml.AnchorToken) for t in yaml.scan(value)):
+            return _UNREADABLE
+        return yaml.safe_load(value)
+    except (yaml.YAMLError, RecursionError):  # RecursionError: "[[[[..." nested too deep
         return _UNREADABLE
 
 
@@ -75,7 +82,7 @@ def parse_override(key: str, value: Any) -> Any:
     and one ``e``) or a name ``2024`` is not a number (``null`` still unsets an optional
     one, and a quoted string is its content)."""
     if not isinstance(value, str) or not _text_field(key.split(".")):
-        return parse_value(value)
+        return parse_value(value, tuple(key.split(".")))
     read = _read_yaml(value)
     return read if read is None or isinstance(read, str) else value
 

@@ -16,6 +16,7 @@ from vit_service.data.tokenizer import text_problem
 PATH_KEY_SUFFIXES = ("dir", "file", "path", "root", "uri")
 # recipe fields that name a file or folder on the server, whatever their key's suffix says
 PATH_KEYS = ("data.path", "data.pseudo_labels", "init.from", "init.timm_file")
+ALIASED = {"init.from_": "init.from"}  # a field's python name, which the recipe also takes
 # init.from may also name a run or a registered model: not a path then
 NOT_A_PATH = ("models:/", "runs:/")
 
@@ -42,11 +43,32 @@ def typed_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     data set id, a name) is that text, as sent ("pets #1" is no "pets" and "2024" no number);
     any other string is read by YAML rules as ``--set`` reads it (``"3"`` the count 3,
     ``"[0.9, 0.95]"`` a list). The job caps, stores, shows and validates these values, and its
-    trainer gets them exactly (:func:`training.recipes.setting_text`), never read again."""
+    trainer gets them exactly (:func:`training.recipes.setting_text`), never read again. 422
+    for a text field given no text, and for a string YAML reads as no JSON value (a date)."""
     from training.recipes import is_text_field, parse_override
 
-    return {k: v if isinstance(v, str) and is_text_field(k) else parse_override(k, v)
-            for k, v in overrides.items()}
+    out: dict[str, Any] = {}
+    for k, v in overrides.items():
+        if is_text_field(k):
+            if v is not None and not isinstance(v, str):
+                raise JobError(422, f"override {k!r}: expected a string or null, got {v!r}")
+            out[k] = v
+            continue
+        out[k] = parse_override(k, v)
+        if not _json_value(out[k]):
+            raise JobError(422, f"override {k!r}: {v!r} reads (by YAML rules) as a "
+                                f"{type(out[k]).__name__}, not a JSON value")
+    return out
+
+
+def _json_value(v: Any) -> bool:
+    if v is None or isinstance(v, bool | int | float | str):
+        return True
+    if isinstance(v, list):
+        return all(_json_value(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _json_value(x) for k, x in v.items())
+    return False
 
 
 def validate_recipe(recipe: str, overrides: dict[str, Any]) -> None:
@@ -166,14 +188,20 @@ def estimate_parameters(cfg: Any) -> int:
 
 
 def _flatten(overrides: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"data": {"path": x}}`` -> ``{"data.path": x}`` (dotted keys kept as they are)."""
+    """``{"data": {"path": x}}`` -> ``{"data.path": x}`` (dotted keys kept as they are). 422
+    for one key given twice (dotted and nested: the checks would see one, the trainer the
+    other) and for a field's python name in place of its key (``init.from_``: checked as
+    no path)."""
     out: dict[str, Any] = {}
     for key, value in overrides.items():
         full = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{full}."))
-        else:
-            out[full] = value
+        if full.lower() in ALIASED:
+            raise JobError(422, f"override {full!r}: write {ALIASED[full.lower()]!r}")
+        flat = _flatten(value, f"{full}.") if isinstance(value, dict) else {full: value}
+        for k, v in flat.items():
+            if k in out:
+                raise JobError(422, f"override {k!r} is given twice")
+            out[k] = v
     return out
 
 

@@ -263,6 +263,38 @@ def test_the_trainer_reads_the_values_the_job_was_validated_with(settings: Setti
     assert _trainer_reads(mgr, digits).data.dataset == "12345678e9012345"
 
 
+LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+    for p, c in zip("abcdefgh", "bcdefghi", strict=True))
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    ({"description": 3}, "expected a string or null, got 3"),  # a text field: no number
+    ({"register_as": True}, "expected a string or null"),
+    ({"seed": "2024-01-01"}, "not a JSON value"),  # YAML reads a date: no 500
+    ({"init.from_": "/etc/passwd"}, "write 'init.from'"),  # the python name: no path check
+    ({"init": {"from_": "/etc/passwd"}}, "write 'init.from'"),
+    ({"data.path": "pets", "data": {"path": "/etc"}}, "given twice"),  # checked one, ran other
+    ({"model.overrides": LAUGHS}, "model.overrides"),  # YAML aliases: never expanded
+    ({"optim.betas": "[" * 5000 + "]" * 5000}, "optim.betas"),  # too deep for YAML: no 500
+])
+def test_overrides_the_checks_could_not_see_are_refused(settings: Settings, overrides: dict,
+                                                        says: str) -> None:
+    mgr = JobManager(settings)
+    t0 = time.perf_counter()
+    with pytest.raises(JobError) as e:
+        mgr.submit("cifar10-smoke", overrides)
+    assert e.value.status == 422 and says in str(e.value.detail), e.value.detail
+    assert time.perf_counter() - t0 < 30  # the aliases' 9^9 expansion would never end
+
+
+def test_a_data_set_id_inside_a_table_stays_text() -> None:
+    from training.recipes import parse_override
+
+    table = parse_override("data", "{dataset: 12345678e9012345, val_fraction: 2e-1}")
+    assert table == {"dataset": "12345678e9012345", "val_fraction": 0.2}
+
+
 @pytest.mark.parametrize("overrides", [
     {"init.from": "/etc/passwd"},  # never checked before: the key has no path-like suffix
     {"init": {"from": "../../etc/shadow"}},  # nested, relative
