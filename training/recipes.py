@@ -12,8 +12,6 @@ import copy
 import json
 import math
 import re
-import types
-import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from training.recipe_parts import WRONG_TYPE
 from training.recipe_schema import Recipe
+from vit_service.value_types import arms, takes_only_text
 
 __all__ = [
     "RECIPES_DIR", "Recipe", "RecipeError", "apply_overrides", "flatten", "is_text_field",
@@ -121,28 +120,14 @@ def _text_field(path: list[str]) -> bool:
         field = fields.get(part)
         if field is None:
             return False
-        arms = [a for a in _arms(field.annotation) if a is not type(None)]
         if i == len(path) - 1:
-            return bool(arms) and all(_is_text(a) for a in arms)
-        nested = [a for a in arms if isinstance(a, type) and issubclass(a, BaseModel)]
+            return takes_only_text(field.annotation)
+        nested = [a for a in arms(field.annotation)
+                  if isinstance(a, type) and issubclass(a, BaseModel)]
         if len(nested) != 1:
             return False
         model = nested[0]
     return False
-
-
-def _arms(annotation: Any) -> list[Any]:
-    if typing.get_origin(annotation) is typing.Annotated:
-        return _arms(typing.get_args(annotation)[0])
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return [a for arm in typing.get_args(annotation) for a in _arms(arm)]
-    return [annotation]
-
-
-def _is_text(annotation: Any) -> bool:
-    if typing.get_origin(annotation) is typing.Literal:
-        return all(isinstance(a, str) for a in typing.get_args(annotation))
-    return annotation is str
 
 
 def _fix_floats(obj: Any, path: tuple[str, ...] = ()) -> Any:

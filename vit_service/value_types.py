@@ -24,6 +24,25 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def arms(annotation: Any) -> list[Any]:
+    """The types a union allows, flattened, each without its ``Annotated`` constraints
+    (``int | None`` -> ``[int, NoneType]``; a plain type -> ``[it]``)."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return arms(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [a for arm in typing.get_args(annotation) for a in arms(arm)]
+    return [annotation]
+
+
+def takes_only_text(annotation: Any) -> bool:
+    """Whether every non-null value of ``annotation`` is a string (``str``, a ``Literal`` of
+    strings, unions of them)."""
+    kinds = [a for a in arms(annotation) if a is not type(None)]
+    return bool(kinds) and all(
+        a is str or (typing.get_origin(a) is typing.Literal
+                     and all(isinstance(x, str) for x in typing.get_args(a))) for a in kinds)
+
+
 def type_problem(value: Any, annotation: Any) -> str | None:
     """None when ``value`` is of type ``annotation`` as written (an int is a float, a bool is
     no int, a string is no number), else what was expected and what came."""
@@ -43,7 +62,7 @@ def _mismatch(value: Any, annotation: Any) -> tuple[str, Any] | None:
     if annotation is None or annotation is type(None):
         return None if value is None else ("null", value)
     if origin is typing.Union or origin is types.UnionType:
-        misses = [_mismatch(value, a) for a in args]
+        misses = [_mismatch(value, a) for a in arms(annotation)]
         if any(m is None for m in misses):
             return None
         inner = [m for m in misses if m is not None and m[1] is not value]
