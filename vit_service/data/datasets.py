@@ -25,6 +25,7 @@ from vit_service.data.upload_checks import (
     DatasetLimits,
     inspect_image_archive,
     inspect_text_table,
+    label_name,
     sniff_format,
     table_rows,
 )
@@ -142,7 +143,9 @@ class DatasetStore:
         # the reader that checked the table at upload (encoding, byte-order mark, dialect)
         for _, row in table_rows(path, info.format):
             texts.append(str(row["text"]))
-            labels.append(index[str(row["label"]).strip()])
+            name = label_name(row["label"])
+            # a set uploaded before label_name may name a class "1.0" (and then has no "1")
+            labels.append(index[name] if name in index else index[str(row["label"]).strip()])
         return TextTable(texts, np.asarray(labels, dtype=np.int64), list(info.classes),
                          str(path))
 

@@ -260,6 +260,15 @@ def table_rows(path: Path, fmt: str) -> Iterator[tuple[int, dict[str, Any]]]:
             raise DatasetError(f"not a readable CSV file: {e}") from None
 
 
+def label_name(label: Any) -> str:
+    """The class name of a table's label: its text, stripped. A JSON number names its value,
+    so ``1`` and ``1.0`` are one class ("1"); CSV labels are text and stay as written."""
+    if (isinstance(label, float) and label.is_integer()
+            and abs(label) < 2**53):  # exact as an int; beyond, floats skip integers
+        label = int(label)
+    return str(label).strip()
+
+
 def inspect_text_table(path: Path, fmt: str, limits: DatasetLimits) -> tuple[
         list[str], dict[str, dict[str, int]], dict[str, Any]]:
     """Classes, counts and text length statistics of a labelled CSV / JSON Lines file."""
@@ -274,14 +283,14 @@ def inspect_text_table(path: Path, fmt: str, limits: DatasetLimits) -> tuple[
         if isinstance(label, (dict, list)) or (
                 isinstance(label, float) and not math.isfinite(label)):
             raise DatasetError(f"line {n}: 'label' must be a string or a finite number")
-        for field, value in (("text", text), ("label", str(label))):
+        for field, value in (("text", text), ("label", label_name(label))):
             problem = text_problem(value)
             if problem:
                 raise DatasetError(f"line {n}: {field!r} {problem}")
         if len(text) > limits.max_text_chars:
             raise DatasetError(f"line {n}: {len(text)} characters, at most "
                                f"{limits.max_text_chars} allowed")
-        counts[str(label).strip()] += 1
+        counts[label_name(label)] += 1
         words.append(len(text.split()))
     split = {"train": dict(counts)}
     return _check_classes(split, limits), split, ({"words": _summary(words)} if words else {})

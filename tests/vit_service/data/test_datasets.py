@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from vit_service.data.datasets import DatasetStore
-from vit_service.data.upload_checks import DatasetError, DatasetLimits
+from vit_service.data.upload_checks import DatasetError, DatasetLimits, label_name
 
 LIMITS = DatasetLimits(min_per_class=3)
 
@@ -183,6 +183,23 @@ def test_a_jsonl_table_with_numeric_labels(store: DatasetStore, tmp_path: Path) 
     lines = [json.dumps({"text": f"t {i}", "label": i % 3}) for i in range(9)]
     info, _ = store.add(upload(tmp_path, "j", "\n".join(lines).encode()), "r.jsonl")
     assert info.classes == ["0", "1", "2"]
+
+
+def test_a_json_number_names_one_class_however_it_is_written(
+        store: DatasetStore, tmp_path: Path) -> None:
+    labels = [1, 1.0, 0, -0.0, 0.0, 2.5, 1, 0, 2.5, 2.5]
+    lines = [json.dumps({"text": f"t {i}", "label": v}) for i, v in enumerate(labels)]
+    info, _ = store.add(upload(tmp_path, "j", "\n".join(lines).encode()), "r.jsonl")
+    assert info.counts == {"train": {"0": 4, "1": 3, "2.5": 3}}
+    table = store.text_table(info.id)  # training reads the same classes
+    assert [table.class_names[k] for k in table.labels] == [label_name(v) for v in labels]
+    assert label_name(1.0) == "1" and label_name(2.5) == "2.5" and label_name(True) == "True"
+
+
+def test_a_csv_label_is_text_as_written(store: DatasetStore, tmp_path: Path) -> None:
+    rows = ["text,label"] + [f"t {i},{v}" for i, v in enumerate(["1", "1.0"] * 3)]
+    info, _ = store.add(upload(tmp_path, "c", "\n".join(rows).encode()), "r.csv")
+    assert info.classes == ["1", "1.0"]
 
 
 @pytest.mark.parametrize(("name", "body", "message"), [
