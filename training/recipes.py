@@ -78,12 +78,19 @@ def _read_yaml(value: str) -> Any:
 def parse_override(key: str, value: Any) -> Any:
     """The value of the dotted recipe ``key`` as :func:`parse_value` reads it, except that a
     field that takes only text keeps the text: a data set id of sixteen digits (or digits
-    and one ``e``) or a name ``2024`` is not a number (``null`` still unsets an optional
-    one, and a quoted string is its content)."""
+    and one ``e``) or a name ``2024`` is not a number, and ``#`` starts no comment (``null``
+    still unsets an optional one, and a quoted string is its content)."""
     if not isinstance(value, str) or not _text_field(key.split(".")):
         return parse_value(value, tuple(key.split(".")))
+    if value.strip() in _YAML_NULLS:
+        return None
+    if value.strip()[:1] not in ("'", '"'):  # unquoted: the text as typed; YAML would cut
+        return value  # "/x #1" at its comment and read "!!str x" or "--- x" as "x"
     read = _read_yaml(value)
-    return read if read is None or isinstance(read, str) else value
+    return read if isinstance(read, str) else value
+
+
+_YAML_NULLS = ("null", "Null", "NULL", "~")
 
 
 def setting_text(value: Any) -> str:

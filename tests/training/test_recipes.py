@@ -154,6 +154,11 @@ def test_a_text_field_keeps_the_string_that_looks_like_a_number() -> None:
                        ("register_as", "2024"), ("init.from", "123")):
         assert parse_override(key, value) == value
     assert parse_override("init.from", "null") is None
+    for value in ("/data/pets #1", "a: b", "[x]", "yes", "!!str x", "--- x", "x # y", "&a x"):
+        assert parse_override("data.path", value) == value  # no YAML reading of plain text
+    assert parse_override("data.path", "'/a #1'") == "/a #1"
+    assert parse_override("data.path", '"caf\\u00e9"') == "caf\u00e9"
+    assert parse_override("data.path", "") == "" and parse_override("init.from", "~") is None
     assert parse_override("epochs", "3") == 3 and parse_override("data.pseudo_labels", "x") == "x"
     r = load_recipe("image-classifier-cpu", {"data.dataset": "1234567890123456",
                                              "register_as": "2024"})
