@@ -64,13 +64,27 @@ def parse_value(value: Any, path: tuple[str, ...] = ()) -> Any:
 _UNREADABLE = object()
 
 
+class _NoAliasLoader(yaml.SafeLoader):
+    """A safe loader that stops at the first anchor or alias, in the one pass that reads."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise yaml.YAMLError("anchors and aliases are not read")
+        return super().compose_node(parent, index)
+
+
+MAX_BRACKETS = 100  # a YAML value with more '[' / '{' is not read: PyYAML's scanner slows down
+# with nesting (2,000 of them: seconds), and no recipe value needs a tenth of that
+
+
 def _read_yaml(value: str) -> Any:
     if not value.strip():
         return ""
+    if value.count("[") + value.count("{") > MAX_BRACKETS:
+        return _UNREADABLE
     try:
-        if any(isinstance(t, yaml.AliasToken | yaml.AnchorToken) for t in yaml.scan(value)):
-            return _UNREADABLE
-        return yaml.safe_load(value)
+        return yaml.load(value, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader
     except (yaml.YAMLError, RecursionError):  # RecursionError: "[[[[..." nested too deep
         return _UNREADABLE
 

@@ -99,6 +99,12 @@ def test_override_helpers() -> None:
     assert parse_value("7") == 7
     assert parse_value("null") is None
     assert parse_value("learned") == "learned"
+    # anchors and aliases are never expanded; nesting past MAX_BRACKETS is not read (PyYAML
+    # took seconds on a few thousand brackets): each stays the string it was
+    for text in ("&a [1]", "[*a]", "{x: &y 1, z: *y}", "[" * 101 + "]" * 101, "[" * 10**5):
+        assert parse_value(text) == text
+    deep = "[" * 99 + "1" + "]" * 99
+    assert parse_value(deep) != deep  # within the limit: read
     assert flatten({"a": {"b": 1, "c": {"d": 2}}, "e": {}}) == {"a.b": 1, "a.c.d": 2, "e": {}}
 
 
