@@ -202,7 +202,9 @@ class TextPredictRequest(BaseModel):
 
 class TextAttention(BaseModel):
     """Maps of the [CLS] token over the text's tokens (aligned with ``tokens``; [CLS] and
-    padding excluded); every attention map sums to 1 (``ngram`` is a signed share of a logit)."""
+    padding excluded); every attention map sums to 1 (``ngram`` is a signed share of a logit).
+    A model whose Transformer reads a head+tail crop of the tokens (``student_len``) has maps
+    over the crop, 0 elsewhere; its n-gram head reads every token."""
 
     rollout: list[float] | EncodedArray
     layers: list[list[float]] | EncodedArray = Field(

@@ -2,8 +2,8 @@
 n-gram features scaled by their naive-Bayes log-count ratios), fitted in seconds on a run's
 labelled train part, in two uses: the n-gram teacher of ``data.pseudo_labels: ngram`` (word
 unigrams and bigrams, labels the unlabelled reviews, not saved) and the weights of a text
-model's :class:`~vit_service.models.text.NgramHead` (its own tokens and hashed token n-grams,
-served with the model; ``model.overrides.ngram_head_buckets``).
+model's n-gram head (:mod:`vit_service.models.ngram_heads`: its own tokens and hashed token
+n-grams, or words formed from them; served with the model; ``model.overrides.ngram_head_*``).
 
 Why a linear teacher for a Transformer student: on IMDb it is more accurate than
 the three ``imdb-transformer-cpu`` teachers it replaces (91.76 % against their mean
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from training.recipes import RecipeError
 from vit_service.data.tokenized import padding_mask
-from vit_service.models.text import NgramHead
+from vit_service.models.ngram_heads import NgramHeads
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class NgramTeacher:
         return float((self.probabilities(texts).argmax(1) == labels).mean())
 
 
-def token_ngrams(head: NgramHead, ids: Tensor, lengths: Tensor, chunk: int = 1024) -> Any:
+def token_ngrams(head: NgramHeads, ids: Tensor, lengths: Tensor, chunk: int = 1024) -> Any:
     """The binary bag of ``head``'s features of each row of ``ids`` ``(N, L)`` (the first
     ``lengths[i]`` real): a scipy CSR matrix ``(N, head.num_features)``."""
     from scipy.sparse import csr_matrix
@@ -123,7 +123,7 @@ def token_ngrams(head: NgramHead, ids: Tensor, lengths: Tensor, chunk: int = 102
 
 
 @torch.no_grad()
-def fit_ngram_head(head: NgramHead, ids: Tensor, lengths: Tensor, labels: np.ndarray) -> int:
+def fit_ngram_head(head: NgramHeads, ids: Tensor, lengths: Tensor, labels: np.ndarray) -> int:
     """Set ``head``'s weights to NB-LR fitted on the token rows ``ids`` ``(N, L)`` with their
     ``labels``; features in fewer than ``MIN_DF`` rows keep weight 0. Two classes: the logits
     are ``(-s/2, s/2)`` for the score ``s``, so the softmax is NB-LR's probability; more: the

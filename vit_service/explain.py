@@ -113,8 +113,12 @@ def attention_gradients(
         tgt = pred if target is None else torch.where(target.to(pred.device) < 0, pred,
                                                       target.to(pred.device))
         score = logits.gather(1, tgt[:, None]).sum()  # items are independent: one backward
-        grads = torch.autograd.grad(score, attns)
-    return served, [a.detach() for a in attns], list(grads), tgt
+        grads = list(torch.autograd.grad(score, attns))
+        attns = [a.detach() for a in attns]
+        place = getattr(model, "input_positions", None)  # a text model reading a crop
+        if place is not None:
+            attns, grads = place(attns, *inputs), place(grads, *inputs)
+    return served, attns, grads, tgt
 
 
 def explain(

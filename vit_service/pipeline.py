@@ -219,6 +219,9 @@ def explain_batch(
     path = specs[0].path if specs else ForwardPath.FUSED
     fwd = forwards or Forwards.eager(model)
     grid, query, mask = model_grid(model), model_query(model), inputs.attention_mask
+    attended = getattr(model, "attended_mask", None)
+    if mask is not None and attended is not None:  # maps cover what attention read (a crop)
+        mask = attended(*inputs.tensors)
     requested = torch.tensor([-1 if s.target is None else s.target for s in specs],
                              dtype=torch.long)  # (B,): -1 = the predicted class
     rel = target = None

@@ -93,3 +93,22 @@ def test_bf16_traces_equal_the_eager_bf16_model_and_answer_in_fp32() -> None:
                            precision="bf16")
     assert not eager.traced and eager.precision == "bf16"  # the fallback keeps the precision
     assert eager.plain(torch.randn(5, 3, 8, 8)).dtype == torch.float32
+
+
+def test_a_text_model_reading_a_crop_is_traced_on_the_crop_and_equals_it_at_any_length(
+        ) -> None:
+    torch.manual_seed(0)
+    m = _frozen(create_model("text_test", vocab_size=50, max_len=40, student_len=10,
+                             pool="mean", ngram_head_buckets=64, ngram_head_unit="word"))
+    with torch.no_grad():
+        m.ngram_head.weight.normal_()
+    f = trace_forwards(m, "text", {"max_len": 40})
+    assert f.traced
+    for T, lengths in ((40, [40, 33, 9, 2]), (25, [25, 11, 10, 3]), (6, [6, 5, 2, 1])):
+        ids = torch.randint(5, 50, (4, T))
+        mask = torch.arange(T)[None] < torch.tensor(lengths)[:, None]
+        ids = ids.masked_fill(~mask, 0)
+        with torch.inference_mode():
+            torch.testing.assert_close(f.plain(ids, mask), m(ids, mask))
+            torch.testing.assert_close(f.with_attention(ids, mask)[1],
+                                       m.forward_with_attention(ids, mask)[1])

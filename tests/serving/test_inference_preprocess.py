@@ -95,3 +95,42 @@ def test_a_relevance_pass_that_fails_in_the_model_is_not_run_once_per_job(monkey
     assert model.relevance_unavailable and "RuntimeError" in model.relevance_unavailable
     assert all(getattr(o, "status_code", None) == 422 for o in out), out
     assert seen == []  # nothing succeeded: no stage was timed
+
+
+def test_a_model_whose_transformer_reads_a_crop_explains_the_whole_text() -> None:
+    """``student_len``: the tokens are the whole (max_len) text; the attention maps and the
+    relevance cover the Transformer's head+tail crop (0 elsewhere, each summing to 1); the word
+    n-gram head's shares cover every word; the answer is the model's own."""
+    tok = TextTokenizer.train([" ".join(WORDS)] * 20, vocab_size=120)
+    torch.manual_seed(0)
+    net = create_model("text_test", vocab_size=tok.vocab_size, max_len=24, pool="mean",
+                       pad_id=tok.pad_id, student_len=9, ngram_head_buckets=101,
+                       ngram_head_unit="word").eval()
+    net.ngram_head.read_pieces(tok.pieces())
+    with torch.no_grad():
+        net.ngram_head.weight.normal_()
+    meta = BundleMeta(task="text", model_config=config_to_dict(net.config),
+                      class_names=["negative", "positive"],
+                      preprocess={"max_len": 24, "truncation": "head_tail"})
+    model = LoadedModel("m", "test", ModelBundle(net, meta, tok), Resolved("x"), None,
+                        datetime.now(UTC), 0.0)
+    text = " ".join(WORDS[:30])
+    spec = ExplainSpec(heads=True, relevance=True, faithfulness=True)
+    res = run_jobs(model, [TextJob([text], 2, spec)])[0].results[0]
+    assert res.tokens == WORDS[:5] + WORDS[12:30]  # 23 pieces: 5 head + 18 tail
+    crop = list(range(2)) + list(range(23 - 6, 23))  # of the 8 pieces: 2 head + 6 tail
+    rollout, relevance = torch.tensor(res.attention.rollout), torch.tensor(
+        res.attention.relevance)
+    outside = torch.ones(23, dtype=torch.bool)
+    outside[crop] = False
+    for m in (rollout, relevance, torch.tensor(res.attention.layers), torch.tensor(
+            res.attention.heads)):
+        assert m.shape[-1] == 23 and not m[..., outside].any()
+        torch.testing.assert_close(m.sum(-1), torch.ones(m.shape[:-1]))
+    ngram = torch.tensor(res.attention.ngram)
+    assert ngram.shape == (23,) and ngram[outside].abs().sum() > 0
+    enc = tok.encode_batch([text], 24, truncation="head_tail")
+    with torch.no_grad():
+        want = net(enc.input_ids, enc.attention_mask).softmax(-1)[0]
+    assert abs(res.predictions[0].probability - float(want.max())) < 1e-5
+    assert res.faithfulness is not None

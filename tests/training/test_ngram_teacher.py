@@ -116,3 +116,36 @@ def test_a_head_with_nothing_to_learn_from_is_a_clear_error() -> None:
     ids = torch.tensor([[2, 10, 11], [2, 12, 13]])  # [CLS] is the only shared token
     with pytest.raises(RecipeError, match="no example of class"):
         fit_ngram_head(head, ids, torch.tensor([3, 3]), np.array([1, 1]))
+
+
+def test_a_run_fits_a_word_head_that_reads_further_than_its_transformer(
+        env: dict[str, str], data_dir) -> None:
+    """A word head with ``student_len``: the run gives the head its vocabulary's piece kinds
+    (saved in the bundle), fits it on the labelled part's whole ``max_len`` tokens, and the
+    bundle's Transformer reads its crop; validation scores the pooled model."""
+    import io
+
+    from training.progress import Progress
+    from training.recipes import load_recipe
+    from training.run import train
+    from vit_service.bundle import load_bundle
+    from vit_service.config import Settings
+    from vit_service.models.ngram_heads import WordNgramHead, piece_kinds
+
+    recipe = load_recipe("imdb-smoke", {
+        "attention_samples": 0, "device": "cpu", "data.max_len": 64,
+        "data.truncation": "head_tail", "model.overrides.pool": "mean",
+        "model.overrides.ngram_head_buckets": 4096, "model.overrides.ngram_head_unit": "word",
+        "model.overrides.student_len": 24})
+    res = train(recipe, settings=Settings(), register=False, mlflow_enabled=False,
+                run_name="word-head", progress=Progress(json_lines=True, stream=io.StringIO()))
+    assert res.status == "finished" and 0 <= res.val_acc <= 1
+    b = load_bundle(res.run_dir / "bundle")
+    head = b.model.ngram_head
+    assert isinstance(head, WordNgramHead) and head.weight.any()
+    assert torch.equal(head.piece_kind, piece_kinds(b.tokenizer.pieces()))
+    assert (head.piece_kind == 1).any()  # some pieces continue a word
+    assert b.model.config.student_len == 24 and b.meta.preprocess["max_len"] == 64
+    enc = b.tokenizer.encode_batch(["a long review " * 30], 64, truncation="head_tail")
+    _, mask, pos = b.model.student_view(enc.input_ids, enc.attention_mask)
+    assert pos is not None and int(mask.sum()) == 24 and enc.input_ids.shape[1] == 64

@@ -25,7 +25,7 @@ from vit_service.data import TextDataset, load_imdb, split_indices
 from vit_service.data.datasets import DatasetStore, TextTable
 from vit_service.data.tokenized import padding_mask, tokenize_splits, tokenized_cache_dir
 from vit_service.data.tokenizer import TextTokenizer
-from vit_service.models.text import NgramHead
+from vit_service.models.ngram_heads import NgramHeads, WordNgramHead
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +123,12 @@ class TextTask(Task):
     def data_params(self) -> dict[str, Any]:
         return dict(self._data_params)
 
-    def fit_ngram_head(self, head: NgramHead) -> None:
+    def fit_ngram_head(self, head: NgramHeads) -> None:
         """NB-LR on the labelled train part's tokens (never the pseudo-labelled reviews nor
-        validation); its validation accuracy alone becomes an MLflow param."""
+        validation); its validation accuracy alone becomes an MLflow param. A word head first
+        learns from the vocabulary which pieces continue a word."""
+        if isinstance(head, WordNgramHead):
+            head.read_pieces(self._tokenizer.pieces())
         n = self.n_labelled
         fit_ngram_head(head, self.train_ids[:n], self.train_len[:n],
                        self.train_y[:n].cpu().numpy())

@@ -156,6 +156,13 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def pieces(self) -> list[str]:
+        """Every piece of the vocabulary, by id (``##`` marks a continuation)."""
+        by_id = [""] * self.vocab_size
+        for piece, i in self.tokenizer.get_vocab(with_added_tokens=True).items():
+            by_id[i] = piece
+        return by_id
+
     def to_str(self) -> str:
         """The tokenizer as its JSON string."""
         return self.tokenizer.to_str()

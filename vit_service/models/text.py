@@ -4,10 +4,14 @@ Token embedding (with a padding index) -> positional encoding -> pre-norm blocks
 key-padding mask -> final norm -> pooling (the ``[CLS]`` token or a masked mean) -> head.
 Padding never influences real tokens: appending padding leaves the logits unchanged (tested).
 
-With ``ngram_head_buckets`` the module also holds :class:`NgramHead`, a linear model of the
-text's distinct tokens and hashed token pairs, fitted by the training run before the
-Transformer trains (``training/ngram_teacher.py``) and never updated by the optimiser; in eval
-mode (validation, serving) the logits are the mean of the Transformer's and the head's.
+With ``ngram_head_buckets`` the module also holds an n-gram head
+(:mod:`vit_service.models.ngram_heads`: tokens and token pairs, or words and word pairs), a
+linear model fitted by the training run before the Transformer trains
+(``training/ngram_teacher.py``) and never updated by the optimiser; in eval mode (validation,
+serving) the logits are the mean of the Transformer's and the head's. With ``student_len`` the
+Transformer reads a head+tail crop of the input (the one ``truncation: head_tail`` would have
+cut at that length) and the head all of it; attention weights come back at the input's
+positions, 0 outside the crop.
 """
 
 from __future__ import annotations
@@ -20,7 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vit_service.data.tokenizer import HEAD_SHARE
 from vit_service.models.layers import LN_EPS, Block, stack_layers
+from vit_service.models.ngram_heads import (
+    NgramHead,
+    NgramHeads,
+    WordNgramHead,
+    check_ngram_head,
+    pair_buckets,
+)
 from vit_service.models.pos_encoding import PosEncoding, register_pos_embed
 
 
@@ -50,105 +62,24 @@ class TextConfig:
     # linear model of the distinct tokens and (this many) hashed n-gram buckets fitted apart
     ngram_head_order: int = 2  # longest n-gram of the head: 2 (pairs take every bucket) or 3
     # (pairs take half, token triples the other half)
+    ngram_head_unit: Literal["token", "word"] = "token"  # the head's n-grams: of WordPiece
+    # tokens, or of words formed from them (a piece and its ## pieces; uni+bigrams, order 2):
+    # the NB-LR teacher's features, which gain more than tokens when the head reads further
+    student_len: int = 0  # >0: the Transformer reads the head+tail crop of this many of the
+    # input's tokens ([CLS] included) and the n-gram head all max_len of them (its cost hardly
+    # grows with length, the Transformer's does); 0: both read the whole input
 
     def __post_init__(self) -> None:  # a job's bad override is refused before it runs
         check_ngram_head(self.ngram_head_buckets, self.ngram_head_order)
-
-
-def check_ngram_head(buckets: int, order: int) -> None:
-    """An n-gram head's shape: order 2 or 3, and with buckets, at least one per n-gram length
-    (order 3 halves them; zero buckets for pairs would divide by zero when hashing)."""
-    if order not in (2, 3):
-        raise ValueError(f"ngram_head_order must be 2 or 3, got {order}")
-    if 0 < buckets < order - 1:
-        raise ValueError(f"ngram_head_buckets must be 0 (no head) or >= {order - 1} with "
-                         f"ngram_head_order {order}, got {buckets}")
-
-
-PAIR_MUL = (2_654_435_761, 40_503)  # multiplicative hash of a (previous, current) token pair
-
-
-def pair_buckets(prev: Tensor, cur: Tensor, buckets: int) -> Tensor:
-    """Bucket of each (previous, current) id pair; int64 products stay < 2^63 for ids < 2^31."""
-    return (prev.long() * PAIR_MUL[0] + cur.long() * PAIR_MUL[1]).remainder(buckets)
-
-
-def _repeats(f: Tensor) -> Tensor:
-    """``(B, L)``: True where a row of sorted ids ``f`` ``(B, L)`` repeats its left neighbour."""
-    return F.pad(f[:, 1:] == f[:, :-1], (1, 0), value=False)
-
-
-class NgramHead(nn.Module):
-    """A linear model of the binary bag of n-grams: ``logits (B, K)`` = the sum of the weights
-    of the distinct tokens and token pairs (and triples, ``order`` 3) present, plus a bias.
-    ``weight`` rows ``0..V-1`` are the tokens, ``V..V+buckets-1`` the hashed n-grams (with
-    ``order`` 3: pairs in the first half, triples in the second). The weights are buffers
-    (saved with the model, never updated by the optimiser): they are set by
-    ``training.ngram_teacher.fit_ngram_head`` (NB-LR)."""
-
-    def __init__(self, vocab_size: int, buckets: int, num_classes: int, order: int = 2) -> None:
-        super().__init__()
-        if buckets < 1:
-            raise ValueError(f"an n-gram head needs >= 1 bucket, got {buckets}")
-        check_ngram_head(buckets, order)
-        self.vocab_size, self.buckets, self.order = vocab_size, buckets, order
-        self.pair_buckets = buckets if order == 2 else buckets // 2
-        self.register_buffer("weight", torch.zeros(vocab_size + buckets, num_classes))
-        self.register_buffer("bias", torch.zeros(num_classes))
-
-    @property
-    def num_features(self) -> int:
-        return self.vocab_size + self.buckets
-
-    def position_features(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """``(B, order, T)``: the feature id of the n-gram of each length ending at each
-        position (row 0 the token, 1 the pair, 2 the triple); -1 where one of its tokens is
-        padding or masked out."""
-        ids, m = input_ids.long(), attention_mask
-        V = self.vocab_size
-        prev = F.pad(ids[:, :-1], (1, 0))  # (B, T)
-        pair_ok = F.pad(m[:, :-1], (1, 0), value=False) & m  # (B, T)
-        rows = [ids.masked_fill(~m, -1),
-                (V + pair_buckets(prev, ids, self.pair_buckets)).masked_fill(~pair_ok, -1)]
-        if self.order == 3:  # (padding first, then cut: a [CLS]-only row has T = 1)
-            T = ids.shape[1]
-            prev2 = F.pad(ids, (2, 0))[:, :T]  # (B, T)
-            triple_ok = F.pad(m, (2, 0), value=False)[:, :T] & pair_ok
-            first_two = pair_buckets(prev2, prev, 2**31)  # < 2^31: the next product fits int64
-            triples = V + self.pair_buckets + pair_buckets(
-                first_two, ids, self.buckets - self.pair_buckets)
-            rows.append(triples.masked_fill(~triple_ok, -1))
-        return torch.stack(rows, 1)  # (B, order, T)
-
-    def features(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """``(B, order * T)`` feature ids of each row's n-grams of real tokens, each once
-        (sorted); -1 fills the rest (padding, masked-out tokens, repeats)."""
-        f = self.position_features(input_ids, attention_mask).flatten(1).sort(1).values
-        return f.masked_fill(_repeats(f), -1)  # (B, order * T)
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        f = self.features(input_ids, attention_mask)  # (B, nT)
-        w = self.weight[f.clamp_min(0)] * (f >= 0).unsqueeze(-1).to(self.weight.dtype)  # (B, nT, K)
-        return w.sum(1) + self.bias  # (B, K)
-
-    def contributions(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """``(B, T, K)``: each position's share of the logits, exactly: an n-gram's weight is
-        counted at its first occurrence and split evenly over its tokens, so the shares sum
-        over the positions to ``forward(...) - bias``."""
-        pf = self.position_features(input_ids, attention_mask)  # (B, n, T)
-        B, n, T = pf.shape
-        flat = pf.flatten(1)  # (B, nT)
-        s, where = flat.sort(dim=1, stable=True)  # equal ids keep their order: earliest first
-        first = (s >= 0) & ~_repeats(s)  # (B, nT)
-        first = torch.zeros_like(first).scatter(1, where, first)  # back in position order
-        w = self.weight[flat.clamp_min(0)] * first.unsqueeze(-1).to(self.weight.dtype)
-        w = w.view(B, n, T, -1)  # (B, n, T, K): row k is the (k+1)-gram ending at t
-        out = torch.zeros(B, T, w.shape[-1], dtype=w.dtype, device=w.device)  # (B, T, K)
-        for k in range(n):
-            share = w[:, k] / (k + 1)
-            for j in range(k + 1):  # the (k+1)-gram ending at t covers t-k..t
-                out[:, : T - j] += share[:, j:]
-        return out
+        if self.ngram_head_unit not in ("token", "word"):
+            raise ValueError(f"ngram_head_unit must be token or word, got "
+                             f"{self.ngram_head_unit!r}")
+        if self.ngram_head_unit == "word" and self.ngram_head_order != 2:
+            raise ValueError("a word n-gram head takes words and word pairs: "
+                             "ngram_head_order must be 2")
+        if self.student_len and not 2 <= self.student_len <= self.max_len:
+            raise ValueError(f"student_len must be 0 (off) or in [2, max_len {self.max_len}], "
+                             f"got {self.student_len}")
 
 
 class TextTransformer(nn.Module):
@@ -162,7 +93,7 @@ class TextTransformer(nn.Module):
         self.bigram_embed = nn.Embedding(c.bigram_buckets, bd) if c.bigram_buckets > 0 else None
         self.bigram_proj = (nn.Linear(bd, c.embed_dim, bias=False)
                             if c.bigram_buckets > 0 and bd != c.embed_dim else None)
-        register_pos_embed(self, c.pos_encoding, c.max_len, c.embed_dim)
+        register_pos_embed(self, c.pos_encoding, c.student_len or c.max_len, c.embed_dim)
         self.scale = math.sqrt(c.embed_dim) if c.embed_scale else 1.0
         self.pos_drop = nn.Dropout(c.drop_rate)
         dpr = torch.linspace(0, c.drop_path_rate, c.depth).tolist()
@@ -174,9 +105,7 @@ class TextTransformer(nn.Module):
         self.norm = nn.LayerNorm(c.embed_dim, eps=LN_EPS)
         self.head_drop = nn.Dropout(c.drop_rate)
         self.head = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes else nn.Identity()
-        self.ngram_head = (NgramHead(c.vocab_size, c.ngram_head_buckets, c.num_classes,
-                                     c.ngram_head_order)
-                           if c.ngram_head_buckets > 0 and c.num_classes else None)
+        self.ngram_head = make_ngram_head(c)
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -206,14 +135,14 @@ class TextTransformer(nn.Module):
         c = self.config
         c.num_classes = num_classes
         self.head = nn.Linear(c.embed_dim, num_classes) if num_classes else nn.Identity()
-        self.ngram_head = (NgramHead(c.vocab_size, c.ngram_head_buckets, num_classes,
-                                     c.ngram_head_order)
-                           if c.ngram_head_buckets > 0 and num_classes else None)
+        self.ngram_head = make_ngram_head(c)
 
     def embed(self, input_ids: Tensor) -> Tensor:
-        T = input_ids.shape[1]
-        if T > self.config.max_len:
-            raise ValueError(f"sequence length {T} > max_len {self.config.max_len}")
+        T, c = input_ids.shape[1], self.config
+        if T > (c.student_len or c.max_len):
+            raise ValueError(f"sequence length {T} > max_len {c.max_len}" if not c.student_len
+                             else f"the Transformer reads {T} tokens > student_len "
+                             f"{c.student_len} (crop with student_view)")
         x = self.tok_embed(input_ids)  # (B, T, D)
         if self.bigram_embed is not None:
             pairs = self.bigram_embed(self.bigram_ids(input_ids))  # (B, T, bigram_dim)
@@ -254,6 +183,35 @@ class TextTransformer(nn.Module):
         pooled = self.head_drop(pooled)
         return pooled if pre_logits else self.head(pooled)
 
+    def student_view(self, input_ids: Tensor, attention_mask: Tensor
+                     ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """What the Transformer reads: ``(ids, mask, positions)`` of the head+tail crop of
+        ``student_len`` tokens (``positions`` ``(B, S)``: each one's index in the input; None
+        when there is no crop to make). A row's length is its count of non-``[PAD]`` ids, not of
+        its mask, so a token masked out (faithfulness, token dropout) moves no other. Shorter
+        rows keep every token; past the crop, positions are padding (mask False)."""
+        S, T = self.config.student_len, input_ids.shape[1]
+        if not S or T <= S:
+            return input_ids, attention_mask, None
+        n = (input_ids != self.config.pad_id).sum(1, keepdim=True)  # (B, 1) [CLS] included
+        head = int((S - 1) * HEAD_SHARE)  # pieces kept from the start (the tokenizer's rule)
+        j = torch.arange(S, device=input_ids.device).unsqueeze(0)  # (1, S)
+        # a long row: [CLS], its first `head` pieces, then its last S - 1 - head
+        long_pos = torch.where(j <= head, j, n - S + j)  # (B, S)
+        pos = torch.where(n > S, long_pos, j.expand_as(long_pos))  # (B, S)
+        inside = j < n  # (B, S)
+        pos = pos.clamp(0, T - 1)
+        ids = input_ids.gather(1, pos).masked_fill(~inside, self.config.pad_id)  # (B, S)
+        return ids, attention_mask.gather(1, pos) & inside, pos
+
+    def attended_mask(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """``(B, T)``: the input's tokens the Transformer attends to (its crop's); what
+        attention maps are normalised over."""
+        _, mask, pos = self.student_view(input_ids, attention_mask)
+        if pos is None:
+            return attention_mask
+        return torch.zeros_like(attention_mask).scatter(1, pos, mask) & attention_mask
+
     def _logits(self, feats: Tensor, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """The Transformer's logits; in eval mode with an n-gram head, the mean of its logits
         and the head's (the normalised geometric mean of the two models' probabilities: the
@@ -261,7 +219,8 @@ class TextTransformer(nn.Module):
         the same labelled texts, it would explain them away (train accuracy ~99 % from the
         first step) and the Transformer learn little from them, so the two are trained apart
         and pooled when evaluated and served."""
-        logits = self.forward_head(feats, attention_mask)  # (B, K)
+        _, student_mask, _ = self.student_view(input_ids, attention_mask)
+        logits = self.forward_head(feats, student_mask)  # (B, K)
         if self.ngram_head is not None and not self.training:
             logits = (logits + self.ngram_head(input_ids, attention_mask)) / 2
         return logits
@@ -281,25 +240,66 @@ class TextTransformer(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         if attention_mask is None:
             attention_mask = input_ids != self.config.pad_id
-        feats, _ = self.forward_features(input_ids, attention_mask)
+        ids, mask, _ = self.student_view(input_ids, attention_mask)
+        feats, _ = self.forward_features(ids, mask)
         return self._logits(feats, input_ids, attention_mask)
 
     def attention_graph(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, track: bool = True
     ) -> tuple[Tensor, list[Tensor]]:
-        """Logits ``(B, K)`` and every layer's weights ``(B, H, T, T)``. ``track`` (under grad
+        """Logits ``(B, K)`` and every layer's weights ``(B, H, T, T)`` (with ``student_len``:
+        ``(B, H, S, S)`` over the crop, see :meth:`input_positions`). ``track`` (under grad
         mode): the weights are in an autograd graph that starts at the tokens, which is what
         relevance differentiates."""
         if attention_mask is None:
             attention_mask = input_ids != self.config.pad_id
-        feats, attns = self.forward_features(input_ids, attention_mask, need_weights=True,
-                                             leaf_tokens=track)
+        ids, mask, _ = self.student_view(input_ids, attention_mask)
+        feats, attns = self.forward_features(ids, mask, need_weights=True, leaf_tokens=track)
         assert attns is not None
         return self._logits(feats, input_ids, attention_mask), attns
+
+    def input_positions(self, weights: list[Tensor], input_ids: Tensor,
+                        attention_mask: Tensor | None = None) -> list[Tensor]:
+        """Per-layer ``(B, H, S, S)`` tensors over the Transformer's crop (its attention weights,
+        or their gradients) -> ``(B, H, T, T)`` at the input's positions, 0 outside the crop
+        and in the rows and columns of masked tokens; unchanged without ``student_len``.
+        :meth:`attention_graph` returns the crop's own weights, which is what a gradient can
+        be taken with respect to."""
+        if not self.config.student_len:
+            return weights
+        if attention_mask is None:
+            attention_mask = input_ids != self.config.pad_id
+        _, mask, pos = self.student_view(input_ids, attention_mask)
+        if pos is None:  # a short batch: zeroed alike, so a trace made on a crop agrees
+            m = mask.to(weights[0].dtype)
+            return [w * m[:, None, :, None] * m[:, None, None, :] for w in weights]
+        return [_scatter_weights(w, pos, mask, input_ids.shape[1]) for w in weights]
 
     def forward_with_attention(
         self, input_ids: Tensor, attention_mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """Logits ``(B, K)`` and attention ``(L, B, H, T, T)`` from one forward pass."""
         logits, attns = self.attention_graph(input_ids, attention_mask, track=False)
-        return logits, stack_layers(attns)
+        return logits, stack_layers(self.input_positions(attns, input_ids, attention_mask))
+
+
+def _scatter_weights(a: Tensor, pos: Tensor, mask: Tensor, T: int) -> Tensor:
+    """Attention weights ``a`` ``(B, H, S, S)`` of the crop at ``pos`` ``(B, S)`` -> ``(B, H, T,
+    T)`` at the input's positions, differentiably. Rows and columns of tokens ``mask``
+    ``(B, S)`` leaves out (padding: its positions may repeat one, in a trace made on longer
+    inputs) are zeroed, so they add nothing where they land."""
+    B, H, S, _ = a.shape
+    m = mask.to(a.dtype)
+    a = a * m[:, None, :, None] * m[:, None, None, :]  # (B, H, S, S)
+    flat = (pos.unsqueeze(2) * T + pos.unsqueeze(1)).view(B, 1, S * S).expand(B, H, S * S)
+    out = a.new_zeros(B, H, T * T).scatter_add(2, flat, a.reshape(B, H, S * S))
+    return out.view(B, H, T, T)
+
+
+def make_ngram_head(c: TextConfig) -> NgramHeads | None:
+    """The n-gram head ``c`` asks for (None: no buckets, or no classes to score)."""
+    if c.ngram_head_buckets <= 0 or not c.num_classes:
+        return None
+    if c.ngram_head_unit == "word":
+        return WordNgramHead(c.vocab_size, c.ngram_head_buckets, c.num_classes)
+    return NgramHead(c.vocab_size, c.ngram_head_buckets, c.num_classes, c.ngram_head_order)

@@ -232,3 +232,60 @@ def test_ngram_contributions_split_each_ngram_over_its_tokens_and_sum_to_the_hea
             torch.testing.assert_close(c[0, 2], w[11] + (w[p(10, 11)] + w[p(11, 10)]) / 2)
         torch.testing.assert_close(m.ngram_contributions(ids, mask), c / 2)
     assert create_model("text_test").ngram_contributions(ids) is None
+
+
+# --- student_len: the Transformer reads a head+tail crop, the n-gram head everything -----------
+
+def _crop_pair() -> tuple[object, torch.nn.Module, torch.nn.Module]:
+    from vit_service.data.tokenizer import TextTokenizer
+
+    words = [f"w{i}" for i in range(60)]
+    tok = TextTokenizer.train([" ".join(words)] * 20, vocab_size=150)
+    torch.manual_seed(0)
+    m = create_model("text_test", vocab_size=tok.vocab_size, max_len=40, student_len=10,
+                     pad_id=tok.pad_id, pool="mean").eval()
+    plain = create_model("text_test", vocab_size=tok.vocab_size, max_len=10,
+                         pad_id=tok.pad_id, pool="mean").eval()
+    plain.load_state_dict(m.state_dict())
+    return tok, m, plain
+
+
+def test_the_transformer_reads_the_crop_head_tail_truncation_would_have_cut() -> None:
+    tok, m, plain = _crop_pair()
+    texts = [" ".join(f"w{i}" for i in range(n)) for n in (55, 30, 9, 3)]
+    long = tok.encode_batch(texts, 40, truncation="head_tail")
+    short = tok.encode_batch(texts, 10, truncation="head_tail")
+    ids, mask, pos = m.student_view(long.input_ids, long.attention_mask)
+    assert pos is not None
+    for i in range(len(texts)):
+        assert ids[i][mask[i]].tolist() == short.input_ids[i][short.attention_mask[i]].tolist()
+    with torch.no_grad():  # the same weights without the crop, on the short encoding
+        torch.testing.assert_close(m(long.input_ids, long.attention_mask),
+                                   plain(short.input_ids, short.attention_mask))
+        logits, attn = m.forward_with_attention(long.input_ids, long.attention_mask)
+        _, want = plain.forward_with_attention(short.input_ids, short.attention_mask)
+    T = long.input_ids.shape[1]
+    assert attn.shape[-1] == T  # at the input's positions
+    for i in range(len(texts)):
+        n = int(short.attention_mask[i].sum())
+        at = pos[i, :n]
+        torch.testing.assert_close(attn[:, i][..., at[:, None], at[None, :]],
+                                   want[:, i, :, :n, :n])
+        outside = torch.ones(T, dtype=torch.bool)
+        outside[at] = False
+        assert not attn[:, i][..., outside].any() and not attn[:, i][..., outside, :].any()
+        assert m.attended_mask(long.input_ids, long.attention_mask)[i].sum() == n
+
+
+def test_a_masked_token_moves_no_other_in_the_crop_and_the_transformer_refuses_more() -> None:
+    tok, m, _ = _crop_pair()
+    enc = tok.encode_batch([" ".join(f"w{i}" for i in range(50))], 40, truncation="head_tail")
+    _, _, pos = m.student_view(enc.input_ids, enc.attention_mask)
+    removed = enc.attention_mask.clone()
+    removed[0, -1] = False  # faithfulness deletes the last token: the crop keeps its place
+    _, mask, pos2 = m.student_view(enc.input_ids, removed)
+    assert torch.equal(pos, pos2) and not mask[0, -1] and mask[0, :-1].all()
+    with pytest.raises(ValueError, match="student_len"):
+        m.forward_features(enc.input_ids)  # 40 tokens > the Transformer's 10: crop first
+    with pytest.raises(ValueError, match="student_len"):
+        create_model("text_test", max_len=16, student_len=17)
