@@ -31,6 +31,7 @@ from vit_service.attention_maps import compute_attention_maps
 from vit_service.bundle import ModelBundle, load_bundle
 from vit_service.data import load_cifar10, load_imdb
 from vit_service.explain import explain, faithfulness_curves, image_probs_fn, text_probs_fn
+from vit_service.pipeline import attended_mask
 
 log = logging.getLogger("explain_report")
 MAPS = ("last_layer", "rollout", "relevance")
@@ -65,6 +66,8 @@ def _score(bundle: ModelBundle, inputs: tuple[torch.Tensor, ...], mask: torch.Te
            grid: tuple[int, int] | None, probs_fn, valid: torch.Tensor, tally: Tally) -> None:
     net = bundle.model
     query = "mean" if getattr(net.config, "pool", "cls") == "mean" else "cls"
+    if mask is not None:  # a crop model's maps cover its crop
+        mask = attended_mask(net, inputs[0], mask)
     with torch.inference_mode():
         _, t_none = _timed(net, *inputs)
         (logits, attn), t_attn = _timed(net.forward_with_attention, *inputs)

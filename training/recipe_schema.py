@@ -150,6 +150,8 @@ class Recipe(Strict):
                 raise ValueError("freeze_encoder is for objective classify (a linear probe)")
             if self.init.timm is not None:
                 raise ValueError("init.timm is for objective classify")
+        if (crop := self.model.overrides.get("student_len")):  # the Transformer reads a crop
+            self._check_student_len(crop)
         if self.init.whiten_patches and not is_vit:
             raise ValueError("init.whiten_patches needs a ViT")
         if self.init.timm is not None and not is_vit:
@@ -183,6 +185,19 @@ class Recipe(Strict):
                              f"register_as must be null for objective {obj} on "
                              f"{self.data.dataset} (fine-tune from its run: runs:/<id>)")
         return self
+
+    def _check_student_len(self, crop: Any) -> None:
+        """``model.overrides.student_len``: a classifier's Transformer reading the head+tail crop
+        of its input; the crop equals the tokenizer's cut only when the input was cut alike."""
+        if self.task != "text" or self.objective != "classify":
+            raise ValueError("model.overrides.student_len is for text classifiers (objective "
+                             "classify): MLM reads whole sequences")
+        if self.data.truncation != "head_tail":
+            raise ValueError("model.overrides.student_len crops the head and the tail: set "
+                             "data.truncation: head_tail")
+        if isinstance(crop, int) and self.data.max_len is not None and crop > self.data.max_len:
+            raise ValueError(f"model.overrides.student_len {crop} > data.max_len "
+                             f"{self.data.max_len}: there would be nothing to crop")
 
     def _check_resolution_schedule(self) -> None:
         if self.task != "image" or self.objective != "classify" or self.init.timm is not None:

@@ -96,6 +96,13 @@ def model_grid(model: nn.Module) -> tuple[int, int] | None:
     return (int(grid[0]), int(grid[1])) if grid is not None else None
 
 
+def attended_mask(model: nn.Module, ids: Tensor, mask: Tensor) -> Tensor:
+    """``(B, T)``: the tokens a text model's attention read, what its maps are normalised
+    over: ``mask``, or the crop's tokens for a model whose Transformer reads a crop."""
+    fn = getattr(model, "attended_mask", None)
+    return mask if fn is None else fn(ids, mask)
+
+
 def model_query(model: nn.Module) -> Query:
     """Whose attention row the maps read: ``cls``, or ``mean`` for a mean-pooling model."""
     return "mean" if getattr(model.config, "pool", "cls") == "mean" else "cls"
@@ -219,9 +226,8 @@ def explain_batch(
     path = specs[0].path if specs else ForwardPath.FUSED
     fwd = forwards or Forwards.eager(model)
     grid, query, mask = model_grid(model), model_query(model), inputs.attention_mask
-    attended = getattr(model, "attended_mask", None)
-    if mask is not None and attended is not None:  # maps cover what attention read (a crop)
-        mask = attended(*inputs.tensors)
+    if isinstance(inputs, TextInputs):  # maps cover what attention read (a crop)
+        mask = attended_mask(model, inputs.ids, inputs.mask)
     requested = torch.tensor([-1 if s.target is None else s.target for s in specs],
                              dtype=torch.long)  # (B,): -1 = the predicted class
     rel = target = None

@@ -81,6 +81,8 @@ def _train(recipe: str, data: Path, home: Path) -> Path:
         sets.append("init.from=null")
     if r.task == "text" and r.data.max_len > 64:
         sets.append("data.max_len=64")
+    if r.task == "text" and r.model.overrides.get("student_len", 0) > 32:
+        sets.append("model.overrides.student_len=32")  # the crop, at the shorter length
     cmd = [sys.executable, "-m", "vit_service.cli", "train", recipe, "--data-dir", str(data),
            "--tracking-uri", f"sqlite:///{home / 'mlflow.db'}", "--run-name", recipe,
            "--max-steps", str(FEW["max_steps"]), "--no-register"]

@@ -121,8 +121,8 @@ def test_a_head_with_nothing_to_learn_from_is_a_clear_error() -> None:
 def test_a_run_fits_a_word_head_that_reads_further_than_its_transformer(
         env: dict[str, str], data_dir) -> None:
     """A word head with ``student_len``: the run gives the head its vocabulary's piece kinds
-    (saved in the bundle), fits it on the labelled part's whole ``max_len`` tokens, and the
-    bundle's Transformer reads its crop; validation scores the pooled model."""
+    (saved in the bundle) and fits it; the bundle's Transformer reads its crop and the head
+    every token (a word outside the crop moves the head's logits alone)."""
     import io
 
     from training.progress import Progress
@@ -147,5 +147,18 @@ def test_a_run_fits_a_word_head_that_reads_further_than_its_transformer(
     assert (head.piece_kind == 1).any()  # some pieces continue a word
     assert b.model.config.student_len == 24 and b.meta.preprocess["max_len"] == 64
     enc = b.tokenizer.encode_batch(["a long review " * 30], 64, truncation="head_tail")
-    _, mask, pos = b.model.student_view(enc.input_ids, enc.attention_mask)
-    assert pos is not None and int(mask.sum()) == 24 and enc.input_ids.shape[1] == 64
+    ids, mask = enc.input_ids, enc.attention_mask
+    _, crop_mask, pos = b.model.student_view(ids, mask)
+    assert pos is not None and int(crop_mask.sum()) == 24 and ids.shape[1] == 64
+    # a word outside the crop moves the head's logits, never the Transformer's
+    t = min(set(range(64)) - set(pos[0].tolist()))
+    m = b.model.eval()
+    with torch.no_grad():
+        alone = 2 * m(ids, mask) - head(ids, mask)
+        moved = []
+        for new in range(5, b.tokenizer.vocab_size, 7):
+            other = ids.clone()
+            other[0, t] = new
+            torch.testing.assert_close(2 * m(other, mask) - head(other, mask), alone)
+            moved.append(not torch.equal(head(other, mask), head(ids, mask)))
+    assert any(moved)

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from training.recipe_schema import RESERVED_NAMES
@@ -187,3 +189,18 @@ def test_a_typed_value_survives_the_command_line_exactly(key: str, value: object
     text = parse_overrides([f"{key}={setting_text(value)}"])[key]
     back = parse_override(key, text)
     assert back == value and type(back) is type(value), (text, back)
+
+
+@pytest.mark.parametrize(("recipe", "overrides", "needle"), [
+    ("imdb-mlm-smoke", {"model.overrides.student_len": 8}, "text classifiers"),
+    ("imdb-smoke", {"model.overrides.student_len": 8}, "data.truncation: head_tail"),
+    ("imdb-smoke", {"model.overrides.student_len": 65, "data.truncation": "head_tail"},
+     "> data.max_len 64"),
+])
+def test_a_transformer_crop_needs_a_classifier_cut_head_tail_and_something_to_crop(
+        recipe: str, overrides: dict, needle: str) -> None:
+    with pytest.raises(RecipeError, match=re.escape(needle)):
+        load_recipe(recipe, overrides)
+    ok = load_recipe("imdb-smoke", {"model.overrides.student_len": 16,
+                                    "data.truncation": "head_tail"})
+    assert ok.model.overrides["student_len"] == 16

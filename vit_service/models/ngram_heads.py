@@ -4,8 +4,9 @@ fitted by NB-LR apart from the Transformer (``training/ngram_teacher.py``), kept
 * :class:`NgramHead` (``ngram_head_unit: token``): the model's WordPiece tokens, and hashed
   token pairs (and triples).
 * :class:`WordNgramHead` (``ngram_head_unit: word``): words formed from the pieces (a piece and
-  the ``##`` pieces after it), hashed word unigrams and bigrams: the features of the NB-LR
-  teacher, computed from token ids alone, so the head needs no text.
+  the ``##`` pieces after it), hashed word unigrams and bigrams: nearly the NB-LR teacher's
+  features (it keeps "don't" whole, the head makes "don" and "t"), computed from token ids
+  alone, so the head needs no text.
 
 Both answer ``forward(ids, mask) -> (B, K)`` logits (without the Transformer's), ``features``
 (the distinct feature ids of each row, what NB-LR is fitted on) and ``contributions`` (each
@@ -196,7 +197,9 @@ class WordNgramHead(nn.Module):
         masked-out and skipped pieces (a masked-out piece also ends its word)."""
         ids = input_ids.long()
         B, T = ids.shape
-        kind = self.piece_kind[ids].long()  # (B, T)
+        # the buffer may sit on the CPU while ids are on the run's device (a run fits the head
+        # before it moves the model)
+        kind = self.piece_kind.to(ids.device)[ids].long()  # (B, T)
         kept = attention_mask & (kind != PIECE_SKIP)  # (B, T)
         prev_kept = F.pad(kept[:, :-1], (1, 0), value=False)  # (B, T)
         start = kept & ((kind != PIECE_CONT) | ~prev_kept)  # (B, T)

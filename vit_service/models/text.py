@@ -69,6 +69,11 @@ class TextConfig:
     # input's tokens ([CLS] included) and the n-gram head all max_len of them (its cost hardly
     # grows with length, the Transformer's does); 0: both read the whole input
 
+    @property
+    def encoder_len(self) -> int:
+        """The longest sequence the Transformer reads: its crop, at most the whole input."""
+        return min(self.student_len, self.max_len) if self.student_len else self.max_len
+
     def __post_init__(self) -> None:  # a job's bad override is refused before it runs
         check_ngram_head(self.ngram_head_buckets, self.ngram_head_order)
         if self.ngram_head_unit not in ("token", "word"):
@@ -77,9 +82,8 @@ class TextConfig:
         if self.ngram_head_unit == "word" and self.ngram_head_order != 2:
             raise ValueError("a word n-gram head takes words and word pairs: "
                              "ngram_head_order must be 2")
-        if self.student_len and not 2 <= self.student_len <= self.max_len:
-            raise ValueError(f"student_len must be 0 (off) or in [2, max_len {self.max_len}], "
-                             f"got {self.student_len}")
+        if self.student_len and self.student_len < 2:  # [CLS] and one token at least
+            raise ValueError(f"student_len must be 0 (off) or >= 2, got {self.student_len}")
 
 
 class TextTransformer(nn.Module):
@@ -93,7 +97,7 @@ class TextTransformer(nn.Module):
         self.bigram_embed = nn.Embedding(c.bigram_buckets, bd) if c.bigram_buckets > 0 else None
         self.bigram_proj = (nn.Linear(bd, c.embed_dim, bias=False)
                             if c.bigram_buckets > 0 and bd != c.embed_dim else None)
-        register_pos_embed(self, c.pos_encoding, c.student_len or c.max_len, c.embed_dim)
+        register_pos_embed(self, c.pos_encoding, c.encoder_len, c.embed_dim)
         self.scale = math.sqrt(c.embed_dim) if c.embed_scale else 1.0
         self.pos_drop = nn.Dropout(c.drop_rate)
         dpr = torch.linspace(0, c.drop_path_rate, c.depth).tolist()
@@ -139,7 +143,7 @@ class TextTransformer(nn.Module):
 
     def embed(self, input_ids: Tensor) -> Tensor:
         T, c = input_ids.shape[1], self.config
-        if T > (c.student_len or c.max_len):
+        if T > c.encoder_len:
             raise ValueError(f"sequence length {T} > max_len {c.max_len}" if not c.student_len
                              else f"the Transformer reads {T} tokens > student_len "
                              f"{c.student_len} (crop with student_view)")

@@ -73,7 +73,9 @@ def test_model_size_counts_the_ngram_head_and_refuses_a_bad_order() -> None:
             validate_recipe("cifar10-smoke", {key: bad})
         assert e.value.status == 422 and key in str(e.value.detail), (key, e.value.detail)
     with pytest.raises(JobError) as e:  # order 3 with one bucket: no room for pairs
-        validate_recipe("imdb-selftrain-cpu", {"model.overrides.ngram_head_buckets": 1})
+        validate_recipe("imdb-selftrain-cpu", {"model.overrides.ngram_head_buckets": 1,
+                                               "model.overrides.ngram_head_unit": "token",
+                                               "model.overrides.ngram_head_order": 3})
     assert e.value.status == 422 and "ngram_head_buckets" in str(e.value.detail)
 
 

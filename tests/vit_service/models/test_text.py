@@ -288,4 +288,10 @@ def test_a_masked_token_moves_no_other_in_the_crop_and_the_transformer_refuses_m
     with pytest.raises(ValueError, match="student_len"):
         m.forward_features(enc.input_ids)  # 40 tokens > the Transformer's 10: crop first
     with pytest.raises(ValueError, match="student_len"):
-        create_model("text_test", max_len=16, student_len=17)
+        create_model("text_test", max_len=16, student_len=1)
+
+
+def test_the_position_table_is_the_crops_and_never_longer_than_the_input() -> None:
+    assert create_model("text_test", max_len=40, student_len=10).pos_embed.shape[1] == 10
+    assert create_model("text_test", max_len=40, student_len=400).pos_embed.shape[1] == 40
+    assert create_model("text_test", max_len=40).pos_embed.shape[1] == 40
