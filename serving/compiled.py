@@ -104,7 +104,7 @@ def _examples(model: nn.Module, task: str, meta_preprocess: dict[str, Any]
     crop = int(getattr(cfg, "student_len", 0) or 0)
     # a model whose Transformer reads a crop is traced on inputs longer than the crop (the
     # trace keeps the path it saw) and checked on short ones too
-    sizes = ((3, min(crop + 5, max_len)), (5, min(crop, 7))) if crop else ((3, 7), (5, 12))
+    sizes = ((3, crop + 5), (5, min(crop, 7))) if crop else ((3, 7), (5, 12))
     for b, t in ((b, min(t, max_len)) for b, t in sizes):
         ids = torch.randint(5, cfg.vocab_size, (b, t), generator=g)
         lengths = torch.tensor([t, max(1, t - 3), 1, t, 2][:b])

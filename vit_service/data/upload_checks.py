@@ -283,14 +283,15 @@ def inspect_text_table(path: Path, fmt: str, limits: DatasetLimits) -> tuple[
         if isinstance(label, (dict, list)) or (
                 isinstance(label, float) and not math.isfinite(label)):
             raise DatasetError(f"line {n}: 'label' must be a string or a finite number")
-        for field, value in (("text", text), ("label", label_name(label))):
+        name = label_name(label)
+        for field, value in (("text", text), ("label", name)):
             problem = text_problem(value)
             if problem:
                 raise DatasetError(f"line {n}: {field!r} {problem}")
         if len(text) > limits.max_text_chars:
             raise DatasetError(f"line {n}: {len(text)} characters, at most "
                                f"{limits.max_text_chars} allowed")
-        counts[label_name(label)] += 1
+        counts[name] += 1
         words.append(len(text.split()))
     split = {"train": dict(counts)}
     return _check_classes(split, limits), split, ({"words": _summary(words)} if words else {})

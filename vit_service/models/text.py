@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vit_service.data.tokenizer import HEAD_SHARE
+from vit_service.data.tokenizer import head_tail_cut
 from vit_service.models.layers import LN_EPS, Block, stack_layers
 from vit_service.models.ngram_heads import (
     NgramHead,
@@ -198,7 +198,7 @@ class TextTransformer(nn.Module):
         if not S or T <= S:
             return input_ids, attention_mask, None
         n = (input_ids != self.config.pad_id).sum(1, keepdim=True)  # (B, 1) [CLS] included
-        head = int((S - 1) * HEAD_SHARE)  # pieces kept from the start (the tokenizer's rule)
+        head, _ = head_tail_cut(S, S - 1)  # pieces kept from the start (the tokenizer's rule)
         j = torch.arange(S, device=input_ids.device).unsqueeze(0)  # (1, S)
         # a long row: [CLS], its first `head` pieces, then its last S - 1 - head
         long_pos = torch.where(j <= head, j, n - S + j)  # (B, S)
@@ -216,14 +216,14 @@ class TextTransformer(nn.Module):
             return attention_mask
         return torch.zeros_like(attention_mask).scatter(1, pos, mask) & attention_mask
 
-    def _logits(self, feats: Tensor, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    def _logits(self, feats: Tensor, student_mask: Tensor, input_ids: Tensor,
+                attention_mask: Tensor) -> Tensor:
         """The Transformer's logits; in eval mode with an n-gram head, the mean of its logits
         and the head's (the normalised geometric mean of the two models' probabilities: the
         same argmax as their sum, better calibrated). Training leaves the head out: fitted on
         the same labelled texts, it would explain them away (train accuracy ~99 % from the
         first step) and the Transformer learn little from them, so the two are trained apart
         and pooled when evaluated and served."""
-        _, student_mask, _ = self.student_view(input_ids, attention_mask)
         logits = self.forward_head(feats, student_mask)  # (B, K)
         if self.ngram_head is not None and not self.training:
             logits = (logits + self.ngram_head(input_ids, attention_mask)) / 2
@@ -246,7 +246,7 @@ class TextTransformer(nn.Module):
             attention_mask = input_ids != self.config.pad_id
         ids, mask, _ = self.student_view(input_ids, attention_mask)
         feats, _ = self.forward_features(ids, mask)
-        return self._logits(feats, input_ids, attention_mask)
+        return self._logits(feats, mask, input_ids, attention_mask)
 
     def attention_graph(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, track: bool = True
@@ -260,7 +260,7 @@ class TextTransformer(nn.Module):
         ids, mask, _ = self.student_view(input_ids, attention_mask)
         feats, attns = self.forward_features(ids, mask, need_weights=True, leaf_tokens=track)
         assert attns is not None
-        return self._logits(feats, input_ids, attention_mask), attns
+        return self._logits(feats, mask, input_ids, attention_mask), attns
 
     def input_positions(self, weights: list[Tensor], input_ids: Tensor,
                         attention_mask: Tensor | None = None) -> list[Tensor]:
@@ -275,8 +275,7 @@ class TextTransformer(nn.Module):
             attention_mask = input_ids != self.config.pad_id
         _, mask, pos = self.student_view(input_ids, attention_mask)
         if pos is None:  # a short batch: zeroed alike, so a trace made on a crop agrees
-            m = mask.to(weights[0].dtype)
-            return [w * m[:, None, :, None] * m[:, None, None, :] for w in weights]
+            return [_zero_left_out(w, mask) for w in weights]
         return [_scatter_weights(w, pos, mask, input_ids.shape[1]) for w in weights]
 
     def forward_with_attention(
@@ -287,14 +286,20 @@ class TextTransformer(nn.Module):
         return logits, stack_layers(self.input_positions(attns, input_ids, attention_mask))
 
 
+def _zero_left_out(a: Tensor, mask: Tensor) -> Tensor:
+    """``a`` ``(B, H, S, S)`` with the rows and columns of the tokens ``mask`` ``(B, S)`` leaves
+    out set to 0."""
+    m = mask.to(a.dtype)
+    return a * m[:, None, :, None] * m[:, None, None, :]
+
+
 def _scatter_weights(a: Tensor, pos: Tensor, mask: Tensor, T: int) -> Tensor:
     """Attention weights ``a`` ``(B, H, S, S)`` of the crop at ``pos`` ``(B, S)`` -> ``(B, H, T,
     T)`` at the input's positions, differentiably. Rows and columns of tokens ``mask``
     ``(B, S)`` leaves out (padding: its positions may repeat one, in a trace made on longer
     inputs) are zeroed, so they add nothing where they land."""
     B, H, S, _ = a.shape
-    m = mask.to(a.dtype)
-    a = a * m[:, None, :, None] * m[:, None, None, :]  # (B, H, S, S)
+    a = _zero_left_out(a, mask)  # (B, H, S, S)
     flat = (pos.unsqueeze(2) * T + pos.unsqueeze(1)).view(B, 1, S * S).expand(B, H, S * S)
     out = a.new_zeros(B, H, T * T).scatter_add(2, flat, a.reshape(B, H, S * S))
     return out.view(B, H, T, T)
