@@ -31,7 +31,7 @@ from vit_service.attention_maps import compute_attention_maps
 from vit_service.bundle import ModelBundle, load_bundle
 from vit_service.data import load_cifar10, load_imdb
 from vit_service.explain import explain, faithfulness_curves, image_probs_fn, text_probs_fn
-from vit_service.pipeline import attended_mask
+from vit_service.pipeline import ReadTokens, read_tokens
 
 log = logging.getLogger("explain_report")
 MAPS = ("last_layer", "rollout", "relevance")
@@ -66,13 +66,14 @@ def _score(bundle: ModelBundle, inputs: tuple[torch.Tensor, ...], mask: torch.Te
            grid: tuple[int, int] | None, probs_fn, valid: torch.Tensor, tally: Tally) -> None:
     net = bundle.model
     query = "mean" if getattr(net.config, "pool", "cls") == "mean" else "cls"
-    if mask is not None:  # a crop model's maps cover its crop
-        mask = attended_mask(net, inputs[0], mask)
+    # a crop model's maps are computed over its crop and placed at the input's positions
+    read = ReadTokens(None) if mask is None else read_tokens(net, inputs[0], mask)
     with torch.inference_mode():
         _, t_none = _timed(net, *inputs)
         (logits, attn), t_attn = _timed(net.forward_with_attention, *inputs)
-        maps, t_maps = _timed(compute_attention_maps, attn, mask, grid, query=query)
-        ex, t_rel = _timed(explain, net, inputs, None, mask, grid, query)
+        maps, t_maps = _timed(compute_attention_maps, attn, read.mask, grid, query=query)
+        ex, t_rel = _timed(explain, net, inputs, None, read.mask, grid, query)
+    maps, relevance = read.place_maps(maps), read.place(ex.relevance)
     tally.seconds["none"] += t_none
     tally.seconds["rollout"] += t_attn + t_maps
     tally.seconds["relevance"] += t_rel
@@ -81,7 +82,7 @@ def _score(bundle: ModelBundle, inputs: tuple[torch.Tensor, ...], mask: torch.Te
     p_full = ex.logits.float().softmax(-1).gather(1, target[:, None])[:, 0]
     scored = {"last_layer": maps.layers[:, -1].reshape(B, -1),
               "rollout": maps.rollout.reshape(B, -1),
-              "relevance": ex.relevance.reshape(B, -1)}
+              "relevance": relevance.reshape(B, -1)}
     with torch.inference_mode():
         tally.add(faithfulness_curves(scored, valid, probs_fn(target), p_full))
     tally.n += B

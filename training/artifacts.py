@@ -14,7 +14,7 @@ from torch import nn
 from training.augment import normalize
 from training.objectives import VAL_MASK_SEED
 from training.tasks import ImageTask, Task, TextTask
-from vit_service.pipeline import attended_mask
+from vit_service.pipeline import read_tokens
 from vit_service.tta import predict_with_attention
 
 
@@ -59,9 +59,9 @@ def _text_attention(task: TextTask, model: nn.Module, out_dir: Path, n: int) -> 
     ids, mask = enc.input_ids.to(task.device), enc.attention_mask.to(task.device)
     logits, attn = predict_with_attention(model, ids, mask)
     probs = logits.float().softmax(-1).cpu()
-    read = attended_mask(model, ids, mask)  # a crop model's maps cover its crop
-    maps = attention_rollout(attn.float(), attention_mask=read,  # (n, T-1)
-                             query=model.config.pool).cpu()
+    read = read_tokens(model, ids, mask, attn.shape[-1])  # a crop model's attention: its crop
+    maps = read.place(attention_rollout(attn.float(), attention_mask=read.mask,
+                                        query=model.config.pool)).cpu()  # (n, T-1)
     parts = ["<html><head><meta charset='utf-8'><title>attention rollout</title></head>",
              "<body style='font-family:sans-serif;max-width:60em'>",
              "<h2>[CLS] attention rollout on validation reviews</h2>"]

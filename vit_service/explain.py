@@ -99,7 +99,8 @@ def attention_gradients(
     text model). ``target`` ``(B,)`` class indices, ``-1`` (or ``None`` for all) = predicted.
     Returns detached ``logits`` ``(B, K)`` (what the model answers: flip TTA included, see
     :mod:`vit_service.tta`), per-layer weights and ``d logit_target / d weights`` of the given
-    view (each ``(B, H, T, T)``) and the target ``(B,)``. Safe inside
+    view (each ``(B, H, T, T)``, over the tokens the attention read: a text model's crop, see
+    ``vit_service.pipeline.ReadTokens``) and the target ``(B,)``. Safe inside
     ``torch.inference_mode()``: it leaves it locally and copies inputs created in it.
     """
     with torch.inference_mode(False), torch.enable_grad():
@@ -114,11 +115,7 @@ def attention_gradients(
                                                       target.to(pred.device))
         score = logits.gather(1, tgt[:, None]).sum()  # items are independent: one backward
         grads = list(torch.autograd.grad(score, attns))
-        attns = [a.detach() for a in attns]
-        place = getattr(model, "input_positions", None)  # a text model reading a crop
-        if place is not None:
-            attns, grads = place(attns, *inputs), place(grads, *inputs)
-    return served, attns, grads, tgt
+    return served, [a.detach() for a in attns], grads, tgt
 
 
 def explain(

@@ -96,11 +96,43 @@ def model_grid(model: nn.Module) -> tuple[int, int] | None:
     return (int(grid[0]), int(grid[1])) if grid is not None else None
 
 
-def attended_mask(model: nn.Module, ids: Tensor, mask: Tensor) -> Tensor:
-    """``(B, T)``: the tokens a text model's attention read, what its maps are normalised
-    over: ``mask``, or the crop's tokens for a model whose Transformer reads a crop."""
-    fn = getattr(model, "attended_mask", None)
-    return mask if fn is None else fn(ids, mask)
+@dataclass(frozen=True)
+class ReadTokens:
+    """The tokens a model's attention read, out of an input ``length`` long: their ``mask``
+    ``(B, W)`` (None for images) and their ``positions`` in the input ``(B, W)`` (None: the
+    input's own). Maps are computed over them (W x W weights, never the input's T x T) and
+    :meth:`place`\ d back at the input's positions, 0 at the tokens not read."""
+
+    mask: Tensor | None
+    positions: Tensor | None = None
+    length: int = 0
+    prefix: int = 1
+
+    def place(self, maps: Tensor) -> Tensor:
+        """``(B, ..., W - prefix)`` maps over the read tokens -> ``(B, ..., length - prefix)``."""
+        if self.positions is None:
+            return maps
+        assert self.mask is not None
+        p, B = self.prefix, maps.shape[0]
+        shape = (B,) + (1,) * (maps.dim() - 2) + (self.positions.shape[1] - p,)
+        index = (self.positions[:, p:] - p).clamp_min(0).view(shape).expand_as(maps)
+        # slots past a short input repeat its last position: their (zero) values add nothing
+        values = maps * self.mask[:, p:].view(shape).to(maps.dtype)
+        return maps.new_zeros(*maps.shape[:-1], self.length - p).scatter_add(-1, index, values)
+
+    def place_maps(self, maps: AttentionMaps) -> AttentionMaps:
+        return AttentionMaps(self.place(maps.rollout), self.place(maps.layers),
+                             None if maps.heads is None else self.place(maps.heads))
+
+
+def read_tokens(model: nn.Module, ids: Tensor, mask: Tensor, width: int | None = None
+                ) -> ReadTokens:
+    """What a text model's attention read of ``ids`` / ``mask`` ``(B, T)``: the whole input,
+    or the crop of a model whose Transformer reads one (``width``: that of the weights at
+    hand; default the eager model's)."""
+    fn = getattr(model, "read_tokens", None)
+    read, pos = (mask, None) if fn is None else fn(ids, mask, width)
+    return ReadTokens(read, pos, ids.shape[1], getattr(model, "num_prefix_tokens", 1))
 
 
 def model_query(model: nn.Module) -> Query:
@@ -123,9 +155,8 @@ class ImageInputs:
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.x,)
 
-    @property
-    def attention_mask(self) -> Tensor | None:
-        return None
+    def read(self, model: nn.Module, width: int | None = None) -> ReadTokens:
+        return ReadTokens(None)
 
     def valid(self, model: nn.Module) -> Tensor:
         gh, gw = model_grid(model) or (1, 1)
@@ -153,9 +184,8 @@ class TextInputs:
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.ids, self.mask)
 
-    @property
-    def attention_mask(self) -> Tensor | None:
-        return self.mask
+    def read(self, model: nn.Module, width: int | None = None) -> ReadTokens:
+        return read_tokens(model, self.ids, self.mask, width)
 
     def valid(self, model: nn.Module) -> Tensor:
         return self.mask[:, getattr(model, "num_prefix_tokens", 1):]  # (B, N)
@@ -225,27 +255,27 @@ def explain_batch(
     specs = _row_specs(spec, B)
     path = specs[0].path if specs else ForwardPath.FUSED
     fwd = forwards or Forwards.eager(model)
-    grid, query, mask = model_grid(model), model_query(model), inputs.attention_mask
-    if isinstance(inputs, TextInputs):  # maps cover what attention read (a crop)
-        mask = attended_mask(model, inputs.ids, inputs.mask)
+    grid, query = model_grid(model), model_query(model)
     requested = torch.tensor([-1 if s.target is None else s.target for s in specs],
                              dtype=torch.long)  # (B,): -1 = the predicted class
     rel = target = None
+    read = inputs.read(model)  # the eager model's view (relevance runs eagerly)
     with torch.inference_mode():
         if path is ForwardPath.RELEVANCE:  # in the served precision: the plain path's probs
             with fwd.execution.applied(model):
-                ex = explain(model, inputs.tensors, requested, mask, grid, query)
+                ex = explain(model, inputs.tensors, requested, read.mask, grid, query)
             logits, target = ex.logits, ex.target
-            attn, rel = ex.attn.float(), ex.relevance.float()
+            attn, rel = ex.attn.float(), read.place(ex.relevance.float())
         elif path is ForwardPath.ATTENTION:
-            logits, attn = fwd.with_attention(*inputs.tensors)  # attn (L, B, H, T, T)
+            logits, attn = fwd.with_attention(*inputs.tensors)  # attn (L, B, H, W, W)
+            read = inputs.read(model, attn.shape[-1])  # a trace's view may be wider
         else:
             logits, attn = fwd.plain(*inputs.tensors), None
         probs = logits.float().softmax(-1)  # (B, K)
         lap("relevance" if path is ForwardPath.RELEVANCE else "forward")
-        maps = None if attn is None else compute_attention_maps(
-            attn, attention_mask=mask, grid=grid, with_heads=any(s.heads for s in specs),
-            query=query)
+        maps = None if attn is None else read.place_maps(compute_attention_maps(
+            attn, attention_mask=read.mask, grid=grid, with_heads=any(s.heads for s in specs),
+            query=query))
         # the class followed: relevance's target, else the requested one, else the predicted
         explained = target if target is not None else torch.where(
             requested < 0, probs.argmax(-1), requested)  # (B,)

@@ -6,6 +6,7 @@ from torch import nn
 from serving.compiled import trace_forwards
 from vit_service.models import create_model
 from vit_service.models.layers import Attention
+from vit_service.pipeline import ExplainSpec, TextInputs, explain_batch
 from vit_service.precision import inference_precision
 from vit_service.tta import predict, predict_with_attention
 
@@ -110,5 +111,10 @@ def test_a_text_model_reading_a_crop_is_traced_on_the_crop_and_equals_it_at_any_
         ids = ids.masked_fill(~mask, 0)
         with torch.inference_mode():
             torch.testing.assert_close(f.plain(ids, mask), m(ids, mask))
-            torch.testing.assert_close(f.with_attention(ids, mask)[1],
-                                       m.forward_with_attention(ids, mask)[1])
+            got = explain_batch(m, TextInputs(ids, mask), ExplainSpec(heads=True), f)
+            want = explain_batch(m, TextInputs(ids, mask), ExplainSpec(heads=True))
+        assert got.maps is not None and want.maps is not None
+        for g, w in ((got.maps.rollout, want.maps.rollout), (got.maps.layers, want.maps.layers),
+                     (got.maps.heads, want.maps.heads)):
+            assert g is not None and w is not None and g.shape[-1] == T - 1
+            torch.testing.assert_close(g, w)

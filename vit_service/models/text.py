@@ -10,8 +10,9 @@ linear model fitted by the training run before the Transformer trains
 (``training/ngram_teacher.py``) and never updated by the optimiser; in eval mode (validation,
 serving) the logits are the mean of the Transformer's and the head's. With ``student_len`` the
 Transformer reads a head+tail crop of the input (the one ``truncation: head_tail`` would have
-cut at that length) and the head all of it; attention weights come back at the input's
-positions, 0 outside the crop.
+cut at that length) and the head all of it; attention weights are the crop's, and
+:meth:`TextTransformer.read_tokens` says where its tokens sit in the input (maps are computed
+over the crop and placed there: ``vit_service.pipeline.ReadTokens``).
 """
 
 from __future__ import annotations
@@ -187,15 +188,17 @@ class TextTransformer(nn.Module):
         pooled = self.head_drop(pooled)
         return pooled if pre_logits else self.head(pooled)
 
-    def student_view(self, input_ids: Tensor, attention_mask: Tensor
+    def student_view(self, input_ids: Tensor, attention_mask: Tensor, width: int | None = None
                      ) -> tuple[Tensor, Tensor, Tensor | None]:
         """What the Transformer reads: ``(ids, mask, positions)`` of the head+tail crop of
         ``student_len`` tokens (``positions`` ``(B, S)``: each one's index in the input; None
         when there is no crop to make). A row's length is its count of non-``[PAD]`` ids, not of
         its mask, so a token masked out (faithfulness, token dropout) moves no other. Shorter
-        rows keep every token; past the crop, positions are padding (mask False)."""
-        S, T = self.config.student_len, input_ids.shape[1]
-        if not S or T <= S:
+        rows keep every token; past the crop, positions are padding (mask False). ``width``:
+        make the view that wide whatever the input's length (what a trace recorded on a long
+        input reads from a short one: slots past the input are padding)."""
+        S, T = width or self.config.student_len, input_ids.shape[1]
+        if not S or (width is None and T <= S):
             return input_ids, attention_mask, None
         n = (input_ids != self.config.pad_id).sum(1, keepdim=True)  # (B, 1) [CLS] included
         head, _ = head_tail_cut(S, S - 1)  # pieces kept from the start (the tokenizer's rule)
@@ -208,13 +211,16 @@ class TextTransformer(nn.Module):
         ids = input_ids.gather(1, pos).masked_fill(~inside, self.config.pad_id)  # (B, S)
         return ids, attention_mask.gather(1, pos) & inside, pos
 
-    def attended_mask(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """``(B, T)``: the input's tokens the Transformer attends to (its crop's); what
-        attention maps are normalised over."""
-        _, mask, pos = self.student_view(input_ids, attention_mask)
-        if pos is None:
-            return attention_mask
-        return torch.zeros_like(attention_mask).scatter(1, pos, mask) & attention_mask
+    def read_tokens(self, input_ids: Tensor, attention_mask: Tensor, width: int | None = None
+                    ) -> tuple[Tensor, Tensor | None]:
+        """The tokens the Transformer's attention read: their mask ``(B, W)`` and their
+        positions in the input ``(B, W)`` (None: the input's own, no crop). ``width``: that of
+        the attention weights at hand (a trace's may be wider than the eager model's); default
+        the model's own view."""
+        if width == input_ids.shape[1]:
+            return attention_mask, None  # the whole input, as it is
+        _, mask, pos = self.student_view(input_ids, attention_mask, width)
+        return mask, pos
 
     def _logits(self, feats: Tensor, student_mask: Tensor, input_ids: Tensor,
                 attention_mask: Tensor) -> Tensor:
@@ -252,7 +258,7 @@ class TextTransformer(nn.Module):
         self, input_ids: Tensor, attention_mask: Tensor | None = None, track: bool = True
     ) -> tuple[Tensor, list[Tensor]]:
         """Logits ``(B, K)`` and every layer's weights ``(B, H, T, T)`` (with ``student_len``:
-        ``(B, H, S, S)`` over the crop, see :meth:`input_positions`). ``track`` (under grad
+        ``(B, H, S, S)`` over the crop, see :meth:`read_tokens`). ``track`` (under grad
         mode): the weights are in an autograd graph that starts at the tokens, which is what
         relevance differentiates."""
         if attention_mask is None:
@@ -262,47 +268,13 @@ class TextTransformer(nn.Module):
         assert attns is not None
         return self._logits(feats, mask, input_ids, attention_mask), attns
 
-    def input_positions(self, weights: list[Tensor], input_ids: Tensor,
-                        attention_mask: Tensor | None = None) -> list[Tensor]:
-        """Per-layer ``(B, H, S, S)`` tensors over the Transformer's crop (its attention weights,
-        or their gradients) -> ``(B, H, T, T)`` at the input's positions, 0 outside the crop
-        and in the rows and columns of masked tokens; unchanged without ``student_len``.
-        :meth:`attention_graph` returns the crop's own weights, which is what a gradient can
-        be taken with respect to."""
-        if not self.config.student_len:
-            return weights
-        if attention_mask is None:
-            attention_mask = input_ids != self.config.pad_id
-        _, mask, pos = self.student_view(input_ids, attention_mask)
-        if pos is None:  # a short batch: zeroed alike, so a trace made on a crop agrees
-            return [_zero_left_out(w, mask) for w in weights]
-        return [_scatter_weights(w, pos, mask, input_ids.shape[1]) for w in weights]
-
     def forward_with_attention(
         self, input_ids: Tensor, attention_mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """Logits ``(B, K)`` and attention ``(L, B, H, T, T)`` from one forward pass."""
+        """Logits ``(B, K)`` and attention ``(L, B, H, T, T)`` from one forward pass (over the
+        crop with ``student_len``: see :meth:`read_tokens`)."""
         logits, attns = self.attention_graph(input_ids, attention_mask, track=False)
-        return logits, stack_layers(self.input_positions(attns, input_ids, attention_mask))
-
-
-def _zero_left_out(a: Tensor, mask: Tensor) -> Tensor:
-    """``a`` ``(B, H, S, S)`` with the rows and columns of the tokens ``mask`` ``(B, S)`` leaves
-    out set to 0."""
-    m = mask.to(a.dtype)
-    return a * m[:, None, :, None] * m[:, None, None, :]
-
-
-def _scatter_weights(a: Tensor, pos: Tensor, mask: Tensor, T: int) -> Tensor:
-    """Attention weights ``a`` ``(B, H, S, S)`` of the crop at ``pos`` ``(B, S)`` -> ``(B, H, T,
-    T)`` at the input's positions, differentiably. Rows and columns of tokens ``mask``
-    ``(B, S)`` leaves out (padding: its positions may repeat one, in a trace made on longer
-    inputs) are zeroed, so they add nothing where they land."""
-    B, H, S, _ = a.shape
-    a = _zero_left_out(a, mask)  # (B, H, S, S)
-    flat = (pos.unsqueeze(2) * T + pos.unsqueeze(1)).view(B, 1, S * S).expand(B, H, S * S)
-    out = a.new_zeros(B, H, T * T).scatter_add(2, flat, a.reshape(B, H, S * S))
-    return out.view(B, H, T, T)
+        return logits, stack_layers(attns)
 
 
 def make_ngram_head(c: TextConfig) -> NgramHeads | None:

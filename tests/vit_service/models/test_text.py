@@ -264,17 +264,18 @@ def test_the_transformer_reads_the_crop_head_tail_truncation_would_have_cut() ->
                                    plain(short.input_ids, short.attention_mask))
         logits, attn = m.forward_with_attention(long.input_ids, long.attention_mask)
         _, want = plain.forward_with_attention(short.input_ids, short.attention_mask)
-    T = long.input_ids.shape[1]
-    assert attn.shape[-1] == T  # at the input's positions
+    assert attn.shape[-1] == 10  # the crop's weights, never the input's 40 x 40
+    read, at = m.read_tokens(long.input_ids, long.attention_mask)
+    assert torch.equal(at, pos) and read.shape == (len(texts), 10)
     for i in range(len(texts)):
         n = int(short.attention_mask[i].sum())
-        at = pos[i, :n]
-        torch.testing.assert_close(attn[:, i][..., at[:, None], at[None, :]],
-                                   want[:, i, :, :n, :n])
-        outside = torch.ones(T, dtype=torch.bool)
-        outside[at] = False
-        assert not attn[:, i][..., outside].any() and not attn[:, i][..., outside, :].any()
-        assert m.attended_mask(long.input_ids, long.attention_mask)[i].sum() == n
+        assert read[i].sum() == n
+        torch.testing.assert_close(attn[:, i, :, :n, :n], want[:, i, :, :n, :n])
+    # as wide as a trace made on long inputs reads a short one: the same tokens, then padding
+    read, at = m.read_tokens(short.input_ids, short.attention_mask, width=12)
+    assert read.shape == (len(texts), 12) and torch.equal(read[:, :10], short.attention_mask)
+    assert not read[:, 10:].any()
+    assert m.read_tokens(short.input_ids, short.attention_mask, width=10)[1] is None
 
 
 def test_a_masked_token_moves_no_other_in_the_crop_and_the_transformer_refuses_more() -> None:
