@@ -180,6 +180,8 @@ class WordNgramHead(nn.Module):
         self.register_buffer("piece_kind", torch.zeros(vocab_size, dtype=torch.int8))
         self.register_buffer("weight", torch.zeros(buckets, num_classes))
         self.register_buffer("bias", torch.zeros(num_classes))
+        # moved with the model, so a GPU forward copies nothing; derived, so not saved
+        self.register_buffer("powers", _POWERS.clone(), persistent=False)
 
     @property
     def num_features(self) -> int:
@@ -206,7 +208,7 @@ class WordNgramHead(nn.Module):
         word_of = (start.long().cumsum(1) - 1).masked_fill(~kept, -1)  # (B, T)
         t = torch.arange(T, device=ids.device).expand(B, T)  # (B, T)
         first = torch.where(start, t, torch.zeros_like(t)).cummax(1).values  # word's first piece
-        powers = _POWERS.to(ids.device)[(t - first).clamp_max(MAX_WORD_PIECES - 1)]  # (B, T)
+        powers = self.powers[(t - first).clamp_max(MAX_WORD_PIECES - 1)]  # (B, T)
         terms = ((ids + 1) * powers).remainder(P31).masked_fill(~kept, 0)  # (B, T) < 2^31
         keys = torch.zeros(B, T, dtype=torch.long, device=ids.device)
         keys = keys.scatter_add(1, word_of.clamp_min(0), terms).remainder(P31)  # (B, T)
