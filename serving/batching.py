@@ -77,6 +77,7 @@ class MicroBatcher(Generic[J, R]):
         self._task: asyncio.Task[None] | None = None
         self._carry: _Pending[J, R] | None = None
         self.batches = 0  # batches run so far (tests, debugging)
+        self.last_window_s = 0.0  # the window the latest batch could wait for (tests)
 
     def _ensure_started(self) -> asyncio.Queue[_Pending[J, R]]:
         if self._queue is None:
@@ -131,7 +132,8 @@ class MicroBatcher(Generic[J, R]):
         first = self._carry if self._carry is not None else await queue.get()
         self._carry = None
         batch, n = [first], first.size
-        deadline = first.enqueued + self.wait_window_s()
+        self.last_window_s = self.wait_window_s()
+        deadline = first.enqueued + self.last_window_s
         while n < self.max_batch_size:
             try:
                 nxt = queue.get_nowait()
