@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     Column,
+    Connection,
     DateTime,
     Engine,
     Integer,
@@ -33,7 +34,9 @@ from sqlalchemy import (
     update,
 )
 
-from serving.jobs.model import Job, JobState
+from serving.jobs.model import Job, JobError, JobState
+from serving.jobs.validation import typed_overrides
+from training.recipes import RecipeError
 
 
 def utcnow() -> datetime:
@@ -71,13 +74,16 @@ jobs = Table(
     _when("heartbeat_at"),
     Column("priority", Integer, nullable=False, default=0),  # higher starts first
     Column("owner", String(64)),  # the submitting API key's principal; NULL: before owners
+    # 1: typed (written by this release); 0: as sent, by an older one (see _type_old_overrides)
+    Column("overrides_format", Integer, nullable=False, default=1, server_default=text("0")),
 )
 
 # columns added after the first release, added to older tables on start-up: (name, what follows
 # the type, which is the table's own in the database's dialect: a timestamp with time zone on
 # PostgreSQL, where a bare TIMESTAMP would shift every value by the server's time zone)
 _ADDED_COLUMNS = (("executor", ""), ("host", ""), ("heartbeat_at", ""),
-                  ("priority", " NOT NULL DEFAULT 0"), ("owner", ""))
+                  ("priority", " NOT NULL DEFAULT 0"), ("owner", ""),
+                  ("overrides_format", " NOT NULL DEFAULT 0"))
 
 # the admission order: higher priority first, then first come, first served
 _QUEUE_ORDER = (jobs.c.priority.desc(), jobs.c.created_at, jobs.c.id)
@@ -95,6 +101,7 @@ def _job(row: Row) -> Job:
     for k in ("created_at", "started_at", "finished_at", "heartbeat_at"):
         values[k] = aware(values[k])
     values["overrides"] = dict(values["overrides"] or {})
+    values.pop("overrides_format")
     values["progress"] = json.loads(json.dumps(values["progress"] or {}))  # a detached copy
     return Job(**values)
 
@@ -248,3 +255,24 @@ class JobStore:
                 conn.execute(text(
                     f"ALTER TABLE {jobs.name} ALTER COLUMN heartbeat_at TYPE TIMESTAMPTZ "
                     "USING heartbeat_at AT TIME ZONE current_setting('TimeZone')"))
+            _type_old_overrides(conn)
+
+
+def _type_old_overrides(conn: Connection) -> None:
+    """Rows from before overrides were typed (``overrides_format`` 0) hold the values as sent,
+    which the trainer read by YAML rules when the job started (``"3"``: 3): each value is read
+    once now as a submission reads it (:func:`typed_overrides`), so a queued job runs as it
+    would have. A value that does not read stays as it was (the job is refused when it
+    starts, the field named). Typed rows (format 1) are never read again: reading a typed
+    value twice can change it (the text ``"on"`` of a field that also takes a bool)."""
+    old = conn.execute(select(jobs.c.id, jobs.c.overrides)
+                       .where(jobs.c.overrides_format == 0)).all()
+    for job_id, overrides in old:
+        typed = {}
+        for key, value in dict(overrides or {}).items():
+            try:
+                typed[key] = typed_overrides({key: value})[key]
+            except (JobError, RecipeError):
+                typed[key] = value
+        conn.execute(update(jobs).where(jobs.c.id == job_id)
+                     .values(overrides=typed, overrides_format=1))

@@ -5,6 +5,7 @@ caps (settings ``jobs_max_*``), a model of bounded size."""
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,9 @@ def typed_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def _json_value(v: Any) -> bool:
-    if v is None or isinstance(v, bool | int | float | str):
+    if isinstance(v, float):
+        return math.isfinite(v)  # JSON has no inf or nan ("1e400", ".nan" by YAML rules)
+    if v is None or isinstance(v, bool | int | str):
         return True
     if isinstance(v, list):
         return all(_json_value(x) for x in v)

@@ -58,8 +58,9 @@ def test_two_stores_claim_a_queued_job_exactly_once(db_url: str, tmp_path: Path)
     assert a.transition(ids[0], {JobState.queued}, state=JobState.cancelled) is None
 
 
-def test_an_older_table_gets_the_new_columns(db_url: str) -> None:
-    old_table = Table(  # the jobs table as the first release created it
+def _first_release_table() -> Table:
+    """The jobs table as the first release created it."""
+    return Table(
         "jobs", MetaData(),
         Column("id", String(32), primary_key=True), Column("name", String(200)),
         Column("recipe", String(100)), Column("overrides", JSON), Column("nprocs", Integer),
@@ -69,6 +70,10 @@ def test_an_older_table_gets_the_new_columns(db_url: str) -> None:
         Column("pid_start", String(32)), Column("run_dir", Text), Column("resume", Integer),
         Column("attempts", Integer), Column("mlflow_run_id", String(64)),
         Column("progress", JSON))
+
+
+def test_an_older_table_gets_the_new_columns(db_url: str) -> None:
+    old_table = _first_release_table()
     created = datetime(2026, 1, 1, tzinfo=UTC)
     engine = create_engine(db_url)
     old_table.metadata.create_all(engine)
@@ -89,6 +94,37 @@ def test_an_older_table_gets_the_new_columns(db_url: str) -> None:
     assert store.update("abc", heartbeat_at=beat).heartbeat_at == beat
     JobStore(db_url).engine.dispose()  # and opening it again is a no-op
     store.engine.dispose()
+
+
+def test_overrides_stored_as_sent_are_read_once_as_a_submission_reads_them(
+        db_url: str) -> None:
+    """A release before typed overrides stored the values as sent, and its trainer read each
+    by YAML rules when the job started: a queued job with ``"3"`` ran 3 epochs. Opening that
+    table types them once, as a submission now does; a value that does not read stays as it
+    was; a typed row is never read again."""
+    old_table = _first_release_table()
+    engine = create_engine(db_url)
+    old_table.metadata.create_all(engine)
+    sent = {"epochs": "3", "optim.lr": "1e-3", "optim.betas": "[0.9, 0.95]",
+            "budget_minutes": "null", "register_as": "2024", "seed": 7,
+            "batch_size": "2024-01-01"}
+    with engine.begin() as conn:
+        conn.execute(old_table.insert().values(
+            id="q1", name="n", recipe="cifar10-smoke", overrides=sent, nprocs=1,
+            state="queued", created_at=utcnow(), run_dir="/x", resume=0, attempts=0,
+            progress={}))
+    engine.dispose()
+    store = JobStore(db_url)
+    job = store.get("q1")
+    assert job is not None and job.overrides == {
+        "epochs": 3, "optim.lr": 0.001, "optim.betas": [0.9, 0.95], "budget_minutes": None,
+        "register_as": "2024", "seed": 7,  # a text field keeps its text; a number stays
+        "batch_size": "2024-01-01"}  # a date is no JSON value: refused when the job starts
+    store.update("q1", overrides={"model.overrides.pool": "on"})  # typed: the text "on"
+    store.engine.dispose()
+    again = JobStore(db_url)
+    assert again.get("q1").overrides == {"model.overrides.pool": "on"}  # not read as True
+    again.engine.dispose()
 
 
 def test_a_bare_timestamp_heartbeat_from_an_earlier_release_is_made_zone_aware(
