@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from vit_service.data.tokenizer import TextTokenizer
-from vit_service.models import create_model
 from vit_service.pipeline import ExplainSpec, ReadTokens, TextInputs, explain_batch
 
 WORDS = [f"w{i}" for i in range(60)]
@@ -24,17 +22,12 @@ def test_placing_puts_each_value_at_its_tokens_position_and_nothing_elsewhere() 
     assert ReadTokens(mask, None, 8).place(maps) is maps  # no crop: as computed
 
 
-def test_a_crop_models_maps_and_relevance_are_those_of_its_crop_placed_in_the_input() -> None:
+def test_a_crop_models_maps_and_relevance_are_those_of_its_crop_placed_in_the_input(
+        crop_pair) -> None:
     """The same weights with ``student_len`` on the whole text and without it on the text
     head+tail-truncated to the crop: every map (rollout, layers, heads, relevance) is the
     second one's, at the crop's positions in the whole text, 0 elsewhere."""
-    tok = TextTokenizer.train([" ".join(WORDS)] * 20, vocab_size=150)
-    torch.manual_seed(0)
-    m = create_model("text_test", vocab_size=tok.vocab_size, max_len=40, student_len=10,
-                     pad_id=tok.pad_id, pool="mean").eval()
-    plain = create_model("text_test", vocab_size=tok.vocab_size, max_len=10,
-                         pad_id=tok.pad_id, pool="mean").eval()
-    plain.load_state_dict(m.state_dict())
+    tok, m, plain = crop_pair
     texts = [" ".join(WORDS[:n]) for n in (55, 30, 9, 3)]
     long = tok.encode_batch(texts, 40, truncation="head_tail")
     short = tok.encode_batch(texts, 10, truncation="head_tail")

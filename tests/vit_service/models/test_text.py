@@ -236,22 +236,8 @@ def test_ngram_contributions_split_each_ngram_over_its_tokens_and_sum_to_the_hea
 
 # --- student_len: the Transformer reads a head+tail crop, the n-gram head everything -----------
 
-def _crop_pair() -> tuple[object, torch.nn.Module, torch.nn.Module]:
-    from vit_service.data.tokenizer import TextTokenizer
-
-    words = [f"w{i}" for i in range(60)]
-    tok = TextTokenizer.train([" ".join(words)] * 20, vocab_size=150)
-    torch.manual_seed(0)
-    m = create_model("text_test", vocab_size=tok.vocab_size, max_len=40, student_len=10,
-                     pad_id=tok.pad_id, pool="mean").eval()
-    plain = create_model("text_test", vocab_size=tok.vocab_size, max_len=10,
-                         pad_id=tok.pad_id, pool="mean").eval()
-    plain.load_state_dict(m.state_dict())
-    return tok, m, plain
-
-
-def test_the_transformer_reads_the_crop_head_tail_truncation_would_have_cut() -> None:
-    tok, m, plain = _crop_pair()
+def test_the_transformer_reads_the_crop_head_tail_truncation_would_have_cut(crop_pair) -> None:
+    tok, m, plain = crop_pair
     texts = [" ".join(f"w{i}" for i in range(n)) for n in (55, 30, 9, 3)]
     long = tok.encode_batch(texts, 40, truncation="head_tail")
     short = tok.encode_batch(texts, 10, truncation="head_tail")
@@ -278,8 +264,9 @@ def test_the_transformer_reads_the_crop_head_tail_truncation_would_have_cut() ->
     assert m.read_tokens(short.input_ids, short.attention_mask, width=10)[1] is None
 
 
-def test_a_masked_token_moves_no_other_in_the_crop_and_the_transformer_refuses_more() -> None:
-    tok, m, _ = _crop_pair()
+def test_a_masked_token_moves_no_other_in_the_crop_and_the_transformer_refuses_more(
+        crop_pair) -> None:
+    tok, m, _ = crop_pair
     enc = tok.encode_batch([" ".join(f"w{i}" for i in range(50))], 40, truncation="head_tail")
     _, _, pos = m.student_view(enc.input_ids, enc.attention_mask)
     removed = enc.attention_mask.clone()
