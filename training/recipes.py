@@ -56,7 +56,10 @@ def parse_value(value: Any, path: tuple[str, ...] = ()) -> Any:
     if not isinstance(value, str):
         return value
     if _FLOAT_RE.match(value.strip()):
-        return int(value) if re.fullmatch(r"[+-]?\d+", value.strip()) else float(value)
+        try:
+            return int(value) if re.fullmatch(r"[+-]?\d+", value.strip()) else float(value)
+        except ValueError:  # past Python's 4,300 digits for an int
+            return value
     read = _read_yaml(value)
     return value if read is _UNREADABLE else _fix_floats(read, path)
 
@@ -85,7 +88,9 @@ def _read_yaml(value: str) -> Any:
         return _UNREADABLE
     try:
         return yaml.load(value, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader
-    except (yaml.YAMLError, RecursionError):  # RecursionError: "[[[[..." nested too deep
+    # RecursionError: "[[[[..." nested too deep; ValueError: a date that does not exist
+    # ("2024-02-30"), an int past Python's 4,300 digits
+    except (yaml.YAMLError, RecursionError, ValueError):
         return _UNREADABLE
 
 

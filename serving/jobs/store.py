@@ -34,9 +34,9 @@ from sqlalchemy import (
     update,
 )
 
-from serving.jobs.model import Job, JobError, JobState
+from serving.jobs.model import Job, JobState
 from serving.jobs.validation import typed_overrides
-from training.recipes import RecipeError
+from training.recipes import load_recipe, setting_texts
 
 
 def utcnow() -> datetime:
@@ -259,20 +259,36 @@ class JobStore:
 
 
 def _type_old_overrides(conn: Connection) -> None:
-    """Rows from before overrides were typed (``overrides_format`` 0) hold the values as sent,
-    which the trainer read by YAML rules when the job started (``"3"``: 3): each value is read
-    once now as a submission reads it (:func:`typed_overrides`), so a queued job runs as it
-    would have. A value that does not read stays as it was (the job is refused when it
-    starts, the field named). Typed rows (format 1) are never read again: reading a typed
-    value twice can change it (the text ``"on"`` of a field that also takes a bool)."""
-    old = conn.execute(select(jobs.c.id, jobs.c.overrides)
+    """Rows written by a release that has no ``overrides_format`` column (0): releases before
+    typed overrides stored the values as sent, and the trainer read each by YAML rules when
+    the job started (``"3"``: 3); later ones stored them typed, and a typed value is not to
+    be read again (a string YAML reads as something else would change). The two cannot be
+    told apart, but a typed row was checked against its recipe when it was submitted: a row
+    whose values, as they stand, make a valid recipe is left as it is; only one that does not
+    has each value read as a submission reads it (:func:`typed_overrides`), so a queued job
+    runs as it would have. A value that does not read stays (the job is refused when it
+    starts, the field named). Either way the row is marked 1 and never read again."""
+    old = conn.execute(select(jobs.c.id, jobs.c.recipe, jobs.c.overrides)
                        .where(jobs.c.overrides_format == 0)).all()
-    for job_id, overrides in old:
-        typed = {}
-        for key, value in dict(overrides or {}).items():
-            try:
-                typed[key] = typed_overrides({key: value})[key]
-            except (JobError, RecipeError):
-                typed[key] = value
+    for job_id, recipe, overrides in old:
+        values = dict(overrides or {})
+        if not _stands(recipe, values):
+            values = {k: _typed(k, v) for k, v in values.items()}
         conn.execute(update(jobs).where(jobs.c.id == job_id)
-                     .values(overrides=typed, overrides_format=1))
+                     .values(overrides=values, overrides_format=1))
+
+
+def _stands(recipe: str, overrides: dict[str, Any]) -> bool:
+    """Whether ``overrides``, taken as typed values, make a valid ``recipe``."""
+    try:
+        load_recipe(recipe, setting_texts(overrides))
+    except Exception:  # noqa: BLE001 - any failure: it does not stand as it is
+        return False
+    return True
+
+
+def _typed(key: str, value: Any) -> Any:
+    try:
+        return typed_overrides({key: value})[key]
+    except Exception:  # noqa: BLE001 - a row must never keep the server from starting
+        return value

@@ -129,6 +129,9 @@ class TextTask(Task):
         learns from the vocabulary which pieces continue a word."""
         if isinstance(head, WordNgramHead):
             head.read_pieces(self._tokenizer.pieces())
+        # on the run's device, where its rows are: the run fits the head before it moves the
+        # model (the head's buffers would be indexed with the device's ids)
+        head.to(self.device)
         n = self.n_labelled
         fit_ngram_head(head, self.train_ids[:n], self.train_len[:n],
                        self.train_y[:n].cpu().numpy())

@@ -208,7 +208,7 @@ class WordNgramHead(nn.Module):
         word_of = (start.long().cumsum(1) - 1).masked_fill(~kept, -1)  # (B, T)
         t = torch.arange(T, device=ids.device).expand(B, T)  # (B, T)
         first = torch.where(start, t, torch.zeros_like(t)).cummax(1).values  # word's first piece
-        powers = self.powers[(t - first).clamp_max(MAX_WORD_PIECES - 1)]  # (B, T)
+        powers = self.powers.to(ids.device)[(t - first).clamp_max(MAX_WORD_PIECES - 1)]  # (B, T)
         terms = ((ids + 1) * powers).remainder(P31).masked_fill(~kept, 0)  # (B, T) < 2^31
         keys = torch.zeros(B, T, dtype=torch.long, device=ids.device)
         keys = keys.scatter_add(1, word_of.clamp_min(0), terms).remainder(P31)  # (B, T)

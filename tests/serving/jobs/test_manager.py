@@ -272,6 +272,11 @@ LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     ({"description": 3}, "expected a string or null, got 3"),  # a text field: no number
     ({"register_as": True}, "expected a string or null"),
     ({"seed": "2024-01-01"}, "not a JSON value"),  # YAML reads a date: no 500
+    ({"seed": "2024-02-30"}, "seed"),  # a date that does not exist: no 500
+    ({"optim.betas": "[2024-13-01]"}, "optim.betas"),
+    ({"seed": "9" * 5000}, "seed"),  # past Python's int digits: no 500
+    ({"optim.lr": "1e400"}, "not a JSON value"),  # inf
+    ({"optim.lr": ".nan"}, "not a JSON value"),
     ({"init.from_": "/etc/passwd"}, "write 'init.from'"),  # the python name: no path check
     ({"init": {"from_": "/etc/passwd"}}, "write 'init.from'"),
     ({"data.path": "pets", "data": {"path": "/etc"}}, "given twice"),  # checked one, ran other

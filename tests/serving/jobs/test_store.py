@@ -101,20 +101,27 @@ def test_overrides_stored_as_sent_are_read_once_as_a_submission_reads_them(
     """A release before typed overrides stored the values as sent, and its trainer read each
     by YAML rules when the job started: a queued job with ``"3"`` ran 3 epochs. Opening that
     table types them once, as a submission now does; a value that does not read stays as it
-    was; a typed row is never read again."""
+    was. A row that already makes a valid recipe (typed by a later release without the
+    column) is left as it is, and a row marked typed is never read again."""
     old_table = _first_release_table()
     engine = create_engine(db_url)
     old_table.metadata.create_all(engine)
     sent = {"epochs": "3", "optim.lr": "1e-3", "optim.betas": "[0.9, 0.95]",
             "budget_minutes": "null", "register_as": "2024", "seed": 7,
             "batch_size": "2024-01-01"}
+    typed = {"epochs": 3, "optim.betas": [0.9, 0.95], "description": "null"}
     with engine.begin() as conn:
         conn.execute(old_table.insert().values(
             id="q1", name="n", recipe="cifar10-smoke", overrides=sent, nprocs=1,
             state="queued", created_at=utcnow(), run_dir="/x", resume=0, attempts=0,
             progress={}))
+        conn.execute(old_table.insert().values(  # typed by a release without the column
+            id="t1", name="n", recipe="cifar10-smoke", overrides=typed, nprocs=1,
+            state="queued", created_at=utcnow(), run_dir="/y", resume=0, attempts=0,
+            progress={}))
     engine.dispose()
     store = JobStore(db_url)
+    assert store.get("t1").overrides == typed
     job = store.get("q1")
     assert job is not None and job.overrides == {
         "epochs": 3, "optim.lr": 0.001, "optim.betas": [0.9, 0.95], "budget_minutes": None,
