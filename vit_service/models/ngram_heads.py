@@ -199,16 +199,14 @@ class WordNgramHead(nn.Module):
         masked-out and skipped pieces (a masked-out piece also ends its word)."""
         ids = input_ids.long()
         B, T = ids.shape
-        # the buffer may sit on the CPU while ids are on the run's device (a run fits the head
-        # before it moves the model)
-        kind = self.piece_kind.to(ids.device)[ids].long()  # (B, T)
+        kind = self.piece_kind[ids].long()  # (B, T)
         kept = attention_mask & (kind != PIECE_SKIP)  # (B, T)
         prev_kept = F.pad(kept[:, :-1], (1, 0), value=False)  # (B, T)
         start = kept & ((kind != PIECE_CONT) | ~prev_kept)  # (B, T)
         word_of = (start.long().cumsum(1) - 1).masked_fill(~kept, -1)  # (B, T)
         t = torch.arange(T, device=ids.device).expand(B, T)  # (B, T)
         first = torch.where(start, t, torch.zeros_like(t)).cummax(1).values  # word's first piece
-        powers = self.powers.to(ids.device)[(t - first).clamp_max(MAX_WORD_PIECES - 1)]  # (B, T)
+        powers = self.powers[(t - first).clamp_max(MAX_WORD_PIECES - 1)]  # (B, T)
         terms = ((ids + 1) * powers).remainder(P31).masked_fill(~kept, 0)  # (B, T) < 2^31
         keys = torch.zeros(B, T, dtype=torch.long, device=ids.device)
         keys = keys.scatter_add(1, word_of.clamp_min(0), terms).remainder(P31)  # (B, T)
