@@ -259,9 +259,9 @@ def explain_batch(
     requested = torch.tensor([-1 if s.target is None else s.target for s in specs],
                              dtype=torch.long)  # (B,): -1 = the predicted class
     rel = target = None
-    read = inputs.read(model)  # the eager model's view (relevance runs eagerly)
     with torch.inference_mode():
         if path is ForwardPath.RELEVANCE:  # in the served precision: the plain path's probs
+            read = inputs.read(model)  # the eager model's view: relevance runs eagerly
             with fwd.execution.applied(model):
                 ex = explain(model, inputs.tensors, requested, read.mask, grid, query)
             logits, target = ex.logits, ex.target
