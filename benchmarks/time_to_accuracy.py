@@ -11,14 +11,16 @@ at a time, on an otherwise idle machine::
         --out docs/img/time_to_accuracy.png --log-to-mlflow
 
 ``run`` appends one JSON line per run (budget, seed, validation accuracy, wall time, steps,
-the load average before and after, the CPU); ``plot`` draws accuracy against minutes for each
-recipe in the results (each seed a point, the mean a line), prints the markdown tables
-docs/benchmarks.md carries and,
+the load average before and after, the CPU and whether it has native bf16); ``plot`` draws
+accuracy against minutes for each recipe and kind of CPU in the results (each seed a point,
+the mean a line), prints the markdown tables docs/benchmarks.md carries and,
 with ``--log-to-mlflow``, logs the PNG and the table to an MLflow run of the ``benchmarks``
 experiment.
 
 The same cloud machine has run the same step at different speeds on different days, so the
-table shows each row's updates per second, and a line with a ``superseded`` field (why: e.g.
+table shows each row's updates per second. CPUs with and without native bf16 (AVX-512 BF16 /
+AMX) train the recipes at several times different speeds, so their rows form separate lines
+and tables, never one mean. A line with a ``superseded`` field (why: e.g.
 measured while the machine ran at half the updates per second of the other rows) stays in the
 file as history but out of the plot and the table.
 """
@@ -29,7 +31,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -39,19 +40,28 @@ from pathlib import Path
 from typing import Any
 
 from training.launch import cores
+from vit_service.hardware import machine_params
 
 log = logging.getLogger("time_to_accuracy")
 RECIPE = "cifar10-vit-convstem-cpu"
 
 
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+def _machine() -> dict[str, Any]:
+    """This CPU as a results line records it: ``cpu`` (its model), ``native_bf16``,
+    ``avx512_bf16``, ``amx`` (the run's ``machine.*`` MLflow params, unprefixed)."""
+    m = {k.removeprefix("machine."): v for k, v in machine_params().items()}
+    return {"cpu": m["cpu"], "native_bf16": m["native_bf16"], "avx512_bf16": m["avx512_bf16"],
+            "amx": m["amx"]}
+
+
+def machine_kind(row: dict[str, Any]) -> str:
+    """The kind of CPU a results line ran on, as the table and the plot group rows: native
+    bf16 or not (a line written before the field was recorded says ``unknown``)."""
+    if "native_bf16" not in row:
+        return "unknown"
+    if not row["native_bf16"]:
+        return "no native bf16"
+    return "AMX" if row.get("amx") else "AVX-512 BF16"
 
 
 def _end_event(stdout: str) -> dict[str, Any]:
@@ -85,7 +95,7 @@ def run(args: argparse.Namespace) -> None:
             rec = {"recipe": args.recipe, "budget_minutes": budget, "seed": seed,
                    "val_acc": end.get("val_acc"), "steps": end.get("step"),
                    "wall_s": round(wall, 1), "load_before": round(load0, 2),
-                   "load_after": round(os.getloadavg()[0], 2), "cpu": _cpu(),
+                   "load_after": round(os.getloadavg()[0], 2), **_machine(),
                    "cores": cores(),
                    "mlflow_run_id": end.get("mlflow_run_id"),
                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -129,11 +139,16 @@ def plot(args: argparse.Namespace) -> None:
 
     every = _current(Path(args.results).read_text().splitlines())
     recipes = args.recipes or sorted({r["recipe"] for r in every})
+    # one line and one table per recipe and kind of CPU: their speeds differ several-fold
+    groups = sorted({(r["recipe"], machine_kind(r)) for r in every if r["recipe"] in recipes},
+                    key=lambda g: (recipes.index(g[0]), g[1]))
+    several = len({kind for _, kind in groups}) > 1
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     tables, means = [], {}
-    for recipe, color in zip(recipes, ("tab:blue", "tab:orange", "tab:green", "tab:red"),
-                             strict=False):
-        rows = [r for r in every if r["recipe"] == recipe]
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+    for (recipe, kind), color in zip(groups, colors, strict=False):
+        rows = [r for r in every if r["recipe"] == recipe and machine_kind(r) == kind]
+        name = f"{recipe}, {kind}" if several else recipe
         by: dict[float, list[float]] = defaultdict(list)
         for r in rows:
             by[float(r["budget_minutes"])].append(100 * r["val_acc"])
@@ -141,18 +156,19 @@ def plot(args: argparse.Namespace) -> None:
         for b in budgets:
             ax.scatter([b] * len(by[b]), by[b], color=color, alpha=0.6, s=18)
         ax.plot(budgets, [statistics.mean(by[b]) for b in budgets], "-o", color=color,
-                label=f"{recipe} (mean of seeds)")
-        tables.append(f"`{recipe}`\n\n{_table(rows)}")
-        means[recipe] = {b: statistics.mean(by[b]) for b in budgets}
+                label=f"{name} (mean of seeds)")
+        tables.append(f"`{recipe}`{f' ({kind})' if several else ''}\n\n{_table(rows)}")
+        means[name] = {b: statistics.mean(by[b]) for b in budgets}
     ticks = sorted({b for m in means.values() for b in m})
     ax.set_xscale("log")
     ax.minorticks_off()
     ax.set_xticks(ticks, [f"{b:g}" for b in ticks])
     ax.set_xlabel("training budget, minutes (whole run: data, training, evaluation)")
     ax.set_ylabel("CIFAR-10 validation accuracy, %")
-    first = every[0] if every else {}
-    ax.set_title(f"Time to accuracy on {first.get('cpu', '?')}, {first.get('cores', '?')} "
-                 "cores", fontsize=8)
+    cpus = sorted({str(r.get("cpu", "?")) for r in every if r["recipe"] in recipes})
+    cores_ = sorted({str(r.get("cores", "?")) for r in every if r["recipe"] in recipes})
+    ax.set_title(f"Time to accuracy on {' / '.join(cpus)}, {' / '.join(cores_)} cores",
+                 fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     out = Path(args.out)
@@ -175,9 +191,10 @@ def plot(args: argparse.Namespace) -> None:
         with mlflow.start_run(experiment_id=experiment_id, run_name="time-to-accuracy"):
             mlflow.log_artifact(str(out))
             mlflow.log_text(table, "time_to_accuracy.md")
-            for recipe, m in means.items():
+            for name, m in means.items():
+                key = name.replace(", ", ".").replace(" ", "_")  # a metric name has no ", "
                 for b, acc in m.items():
-                    mlflow.log_metric(f"{recipe}.val_acc_mean_{b:g}min", acc / 100)
+                    mlflow.log_metric(f"{key}.val_acc_mean_{b:g}min", acc / 100)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,40 @@ def test_plot_and_table_from_results(tmp_path: Path) -> None:
     assert len(lines) == 6
 
 
+def test_cpus_with_and_without_native_bf16_form_separate_tables(tmp_path: Path) -> None:
+    """A recipe's rows from a CPU without native bf16 (several times slower) are not averaged
+    with those of a CPU with it: one table and one line each, named by the kind."""
+    base = {"recipe": "r", "budget_minutes": 30, "wall_s": 1795, "load_before": 0.1,
+            "load_after": 2.0, "cores": 2}
+    rows = [{**base, "seed": 0, "val_acc": 0.83, "steps": 16000, "cpu": "EPYC A",
+             "native_bf16": True, "avx512_bf16": True, "amx": False},
+            {**base, "seed": 1, "val_acc": 0.81, "steps": 15000, "cpu": "EPYC A",
+             "native_bf16": True, "avx512_bf16": True, "amx": False},
+            {**base, "seed": 0, "val_acc": 0.72, "steps": 2600, "cpu": "EPYC B",
+             "native_bf16": False, "avx512_bf16": False, "amx": False}]
+    results = tmp_path / "r.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = subprocess.run([sys.executable, "benchmarks/time_to_accuracy.py", "plot",
+                           "--results", str(results), "--out", str(tmp_path / "p.png")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert "`r` (AVX-512 BF16)" in text and "`r` (no native bf16)" in text
+    assert "| 30 min | 2 | 83.00 / 81.00 % | **82.00 %** |" in text
+    assert "| 30 min | 1 | 72.00 % | **72.00 %** |" in text
+
+
+def test_a_results_line_records_the_cpus_bf16_flags() -> None:
+    from benchmarks.time_to_accuracy import _machine, machine_kind
+    from vit_service.hardware import cpu_has_native_bf16, cpu_model
+
+    m = _machine()
+    assert m["cpu"] == cpu_model() and m["native_bf16"] is cpu_has_native_bf16()
+    assert machine_kind(m) == ("no native bf16" if not m["native_bf16"] else
+                               "AMX" if m["amx"] else "AVX-512 BF16")
+    assert machine_kind({"cpu": "x"}) == "unknown"  # a line from before the field
+
+
 def test_plot_logs_to_the_projects_tracking_store(tmp_path: Path) -> None:
     """``--log-to-mlflow`` writes to the home's store (what the MLflow UI shows), not to a
     database in the working directory."""
