@@ -157,22 +157,9 @@ class JobManager:
                nprocs: int = 1, priority: int = 0, owner: str = DEFAULT_PRINCIPAL) -> Job:
         """Check a request and queue it for ``owner`` (the API key's principal): 422 for what
         could never run, 429 past a queued cap (:func:`~.admission.check_queued_caps`)."""
-        if not 1 <= nprocs <= self.settings.jobs_max_procs:
-            raise JobError(422, f"nprocs must be between 1 and {self.settings.jobs_max_procs}")
         for where, value in (("recipe", recipe), ("name", name), ("overrides", overrides)):
             validation.check_text(where, value)
-        overrides = validation.typed_overrides(overrides)
-        roots = [self.settings.data_dir.resolve(), self.settings.home.resolve()]
-        overrides = validation.resolve_paths(overrides, roots)
-        validation.check_caps(overrides, self.settings)
-        # checked as the trainer will read them: the --set texts its command line carries
-        as_read = setting_texts(overrides)
-        self.validate(recipe, as_read)
-        if self.validate is validation.validate_recipe:  # a real recipe: its model can be counted
-            validation.check_model_size(recipe, as_read, self.settings.jobs_max_params)
-            validation.check_dataset(recipe, as_read, self.settings)
-        self.executor.check()
-        self._check_fits(Job.model_construct(recipe=recipe, overrides=overrides, nprocs=nprocs))
+        overrides = self._admissible(recipe, validation.typed_overrides(overrides), nprocs)
         with self._submit_lock:
             check_queued_caps(self._queued(), self.settings, owner)
             job = self.store.create(name=name, recipe=recipe, overrides=overrides,
@@ -207,12 +194,15 @@ class JobManager:
         return self._get(job_id)
 
     def resume(self, job_id: str) -> Job:
-        """Queue a failed or cancelled job again: it counts against its owner's queued caps
-        like a new one (429)."""
+        """Queue a failed or cancelled job again, checked like a new one against the server's
+        limits now (422: caps lowered since, a path now outside its folders, a machine too
+        small) and counted against its owner's queued caps (429)."""
         job = self._get(job_id)
         done = None
         if job.state in (JobState.failed, JobState.cancelled):
-            self._check_fits(job)  # the machine may have shrunk since (422, not queued forever)
+            # checked again against this server as it is now: its limits, folders and machine
+            # may have changed since the job was submitted (or the row is an older release's)
+            self._admissible(job.recipe, job.overrides, job.nprocs)
             with self._submit_lock:
                 check_queued_caps(self._queued(), self.settings, owner_of(job))
                 done = self.store.transition(
@@ -321,6 +311,27 @@ class JobManager:
         return plan(queue, running, busy=busy, slots=self.executor.concurrency,
                     executor=self.executor.name, settings=self.settings, capacity=capacity,
                     needs=self.resources.need, shape=self.executor.placement)
+
+    def _admissible(self, recipe: str, overrides: dict[str, Any], nprocs: int
+                    ) -> dict[str, Any]:
+        """What a job must pass before it is queued, against this server's settings now:
+        ``nprocs`` and the size caps, paths inside the data and home folders (returned
+        resolved), the recipe's schema as the trainer will read it, the model's size and data
+        set, a reachable executor and a machine it fits. 422 (503 without an executor)."""
+        if not 1 <= nprocs <= self.settings.jobs_max_procs:
+            raise JobError(422, f"nprocs must be between 1 and {self.settings.jobs_max_procs}")
+        roots = [self.settings.data_dir.resolve(), self.settings.home.resolve()]
+        overrides = validation.resolve_paths(overrides, roots)
+        validation.check_caps(overrides, self.settings)
+        # checked as the trainer will read them: the --set texts its command line carries
+        as_read = setting_texts(overrides)
+        self.validate(recipe, as_read)
+        if self.validate is validation.validate_recipe:  # a real recipe: its model can be counted
+            validation.check_model_size(recipe, as_read, self.settings.jobs_max_params)
+            validation.check_dataset(recipe, as_read, self.settings)
+        self.executor.check()
+        self._check_fits(Job.model_construct(recipe=recipe, overrides=overrides, nprocs=nprocs))
+        return overrides
 
     def _check_fits(self, draft: Job) -> None:
         if self.settings.jobs_admit_by_resources:

@@ -124,6 +124,24 @@ def test_queued_caps_answer_429_naming_the_cap_and_the_numbers(tmp_path: Path) -
     assert mgr.submit(SMOKE, CPU1).owner == "default"  # VIT_SERVICE_API_KEY's principal
 
 
+def test_a_resume_is_checked_against_the_limits_of_the_server_as_it_is_now(
+        tmp_path: Path) -> None:
+    """A job submitted under one server's limits and resumed under lower ones (an operator
+    lowered them, or the row is an older release's) is refused and stays as it was."""
+    mgr = _manager(_settings(tmp_path, jobs_max_epochs=5, jobs_max_procs=2))
+    job = mgr.submit(SMOKE, {**CPU1, "epochs": 4}, nprocs=2)
+    mgr.cancel(job.id)
+    for lower, detail in (
+            ({"jobs_max_epochs": 3}, "override 'epochs': 4 is over this server's limit of 3"),
+            ({"jobs_max_procs": 1}, "nprocs must be between 1 and 1")):
+        strict = _manager(_settings(tmp_path, **({"jobs_max_epochs": 5, "jobs_max_procs": 2}
+                                                  | lower)))
+        e = _refused(lambda m=strict: m.resume(job.id))
+        assert (e.status, e.detail) == (422, detail)
+        assert strict.get(job.id).state == JobState.cancelled
+    assert mgr.resume(job.id).state == JobState.queued  # within the limits it submitted under
+
+
 def test_running_caps_skip_to_the_next_eligible_job_in_priority_order(
         tmp_path: Path, managers: list[JobManager]) -> None:
     mgr = _manager(_settings(tmp_path, jobs_max_running_per_key=1, jobs_max_running=2))
