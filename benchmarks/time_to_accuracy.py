@@ -28,6 +28,7 @@ file as history but out of the plot and the table.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -139,14 +140,18 @@ def plot(args: argparse.Namespace) -> None:
 
     every = _current(Path(args.results).read_text().splitlines())
     recipes = args.recipes or sorted({r["recipe"] for r in every})
+    missing = sorted(set(recipes) - {r["recipe"] for r in every})
+    if missing:  # a typo would otherwise draw an empty plot over the docs' one
+        raise SystemExit(f"no results for {', '.join(missing)} in {args.results}")
     # one line and one table per recipe and kind of CPU: their speeds differ several-fold
     groups = sorted({(r["recipe"], machine_kind(r)) for r in every if r["recipe"] in recipes},
                     key=lambda g: (recipes.index(g[0]), g[1]))
     several = len({kind for _, kind in groups}) > 1
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     tables, means = [], {}
-    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
-    for (recipe, kind), color in zip(groups, colors, strict=False):
+    colors = itertools.cycle(("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
+                              "tab:brown", "tab:pink", "tab:gray"))
+    for (recipe, kind), color in zip(groups, colors, strict=False):  # colours cycle
         rows = [r for r in every if r["recipe"] == recipe and machine_kind(r) == kind]
         name = f"{recipe}, {kind}" if several else recipe
         by: dict[float, list[float]] = defaultdict(list)
@@ -158,7 +163,7 @@ def plot(args: argparse.Namespace) -> None:
         ax.plot(budgets, [statistics.mean(by[b]) for b in budgets], "-o", color=color,
                 label=f"{name} (mean of seeds)")
         tables.append(f"`{recipe}`{f' ({kind})' if several else ''}\n\n{_table(rows)}")
-        means[name] = {b: statistics.mean(by[b]) for b in budgets}
+        means[(recipe, kind)] = {b: statistics.mean(by[b]) for b in budgets}
     ticks = sorted({b for m in means.values() for b in m})
     ax.set_xscale("log")
     ax.minorticks_off()
@@ -191,8 +196,9 @@ def plot(args: argparse.Namespace) -> None:
         with mlflow.start_run(experiment_id=experiment_id, run_name="time-to-accuracy"):
             mlflow.log_artifact(str(out))
             mlflow.log_text(table, "time_to_accuracy.md")
-            for name, m in means.items():
-                key = name.replace(", ", ".").replace(" ", "_")  # a metric name has no ", "
+            for (recipe, kind), m in means.items():
+                # the kind always in the name: a metric keeps its name across benchmark runs
+                key = f"{recipe}.{kind.replace(' ', '_')}"
                 for b, acc in m.items():
                     mlflow.log_metric(f"{key}.val_acc_mean_{b:g}min", acc / 100)
 

@@ -194,15 +194,18 @@ class JobManager:
         return self._get(job_id)
 
     def resume(self, job_id: str) -> Job:
-        """Queue a failed or cancelled job again, checked like a new one against the server's
-        limits now (422: caps lowered since, a path now outside its folders, a machine too
-        small) and counted against its owner's queued caps (429)."""
+        """Queue a failed or cancelled job again, checked against the server's limits now
+        (422: caps lowered since, a path now outside its folders, a machine too small; 503:
+        no executor) and counted against its owner's queued caps like a new job (429)."""
         job = self._get(job_id)
         done = None
         if job.state in (JobState.failed, JobState.cancelled):
             # checked again against this server as it is now: its limits, folders and machine
-            # may have changed since the job was submitted (or the row is an older release's)
-            self._admissible(job.recipe, job.overrides, job.nprocs)
+            # may have changed since the job was submitted (or the row is an older release's).
+            # Not the recipe: a resume from a checkpoint runs the recipe saved in it, which a
+            # check of today's recipe file would misjudge (submit checked it, and a restart
+            # without a checkpoint that no longer validates fails with the trainer's reason)
+            self._admissible(job.recipe, job.overrides, job.nprocs, recipe_checks=False)
             with self._submit_lock:
                 check_queued_caps(self._queued(), self.settings, owner_of(job))
                 done = self.store.transition(
@@ -312,12 +315,13 @@ class JobManager:
                     executor=self.executor.name, settings=self.settings, capacity=capacity,
                     needs=self.resources.need, shape=self.executor.placement)
 
-    def _admissible(self, recipe: str, overrides: dict[str, Any], nprocs: int
-                    ) -> dict[str, Any]:
+    def _admissible(self, recipe: str, overrides: dict[str, Any], nprocs: int, *,
+                    recipe_checks: bool = True) -> dict[str, Any]:
         """What a job must pass before it is queued, against this server's settings now:
         ``nprocs`` and the size caps, paths inside the data and home folders (returned
-        resolved), the recipe's schema as the trainer will read it, the model's size and data
-        set, a reachable executor and a machine it fits. 422 (503 without an executor)."""
+        resolved), with ``recipe_checks`` the recipe's schema as the trainer will read it and
+        the model's size and data set, a reachable executor and a machine it fits. 422 (503
+        without an executor)."""
         if not 1 <= nprocs <= self.settings.jobs_max_procs:
             raise JobError(422, f"nprocs must be between 1 and {self.settings.jobs_max_procs}")
         roots = [self.settings.data_dir.resolve(), self.settings.home.resolve()]
@@ -325,8 +329,9 @@ class JobManager:
         validation.check_caps(overrides, self.settings)
         # checked as the trainer will read them: the --set texts its command line carries
         as_read = setting_texts(overrides)
-        self.validate(recipe, as_read)
-        if self.validate is validation.validate_recipe:  # a real recipe: its model can be counted
+        if recipe_checks:
+            self.validate(recipe, as_read)
+        if recipe_checks and self.validate is validation.validate_recipe:  # its model counts
             validation.check_model_size(recipe, as_read, self.settings.jobs_max_params)
             validation.check_dataset(recipe, as_read, self.settings)
         self.executor.check()

@@ -60,9 +60,24 @@ def test_a_results_line_records_the_cpus_bf16_flags() -> None:
 
     m = _machine()
     assert m["cpu"] == cpu_model() and m["native_bf16"] is cpu_has_native_bf16()
-    assert machine_kind(m) == ("no native bf16" if not m["native_bf16"] else
-                               "AMX" if m["amx"] else "AVX-512 BF16")
+    assert set(m) == {"cpu", "native_bf16", "avx512_bf16", "amx"}
+    assert machine_kind({"native_bf16": False, "amx": False}) == "no native bf16"
+    assert machine_kind({"native_bf16": True, "amx": False}) == "AVX-512 BF16"
+    assert machine_kind({"native_bf16": True, "amx": True}) == "AMX"
     assert machine_kind({"cpu": "x"}) == "unknown"  # a line from before the field
+
+
+def test_plot_refuses_a_recipe_without_results(tmp_path: Path) -> None:
+    results = tmp_path / "r.jsonl"
+    results.write_text(json.dumps({"recipe": "r", "budget_minutes": 5, "seed": 0,
+                                   "val_acc": 0.7, "steps": 100, "wall_s": 295,
+                                   "load_before": 0.1, "load_after": 2.0, "cores": 2}) + "\n")
+    out = tmp_path / "p.png"
+    proc = subprocess.run([sys.executable, "benchmarks/time_to_accuracy.py", "plot",
+                           "--recipes", "r", "typo", "--results", str(results), "--out",
+                           str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "no results for typo" in proc.stderr
+    assert not out.exists()
 
 
 def test_plot_logs_to_the_projects_tracking_store(tmp_path: Path) -> None:
@@ -91,7 +106,8 @@ def test_plot_logs_to_the_projects_tracking_store(tmp_path: Path) -> None:
     exp = client.get_experiment_by_name("benchmarks")
     assert exp is not None
     (run,) = client.search_runs([exp.experiment_id])
-    assert abs(run.data.metrics["r.val_acc_mean_5min"] - 0.7) < 1e-9
+    # named by the recipe and the kind of CPU (this row predates the flag: unknown)
+    assert abs(run.data.metrics["r.unknown.val_acc_mean_5min"] - 0.7) < 1e-9
     # the PNG and the table went to the home's artifact folder
     assert run.info.artifact_uri.startswith((home / "mlartifacts").resolve().as_uri())
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {

@@ -139,7 +139,15 @@ def test_a_resume_is_checked_against_the_limits_of_the_server_as_it_is_now(
         e = _refused(lambda m=strict: m.resume(job.id))
         assert (e.status, e.detail) == (422, detail)
         assert strict.get(job.id).state == JobState.cancelled
-    assert mgr.resume(job.id).state == JobState.queued  # within the limits it submitted under
+    # not today's recipe file: a resume from a checkpoint runs the recipe saved in it
+    def _recipe_changed(recipe: str, overrides: dict[str, Any]) -> None:
+        raise JobError(422, f"{recipe} no longer takes these overrides")
+
+    settings = _settings(tmp_path, jobs_max_epochs=5, jobs_max_procs=2)
+    changed = JobManager(settings, executor=LocalExecutor(settings, command=_command),
+                         validate=_recipe_changed)
+    assert _refused(lambda: changed.submit(SMOKE, CPU1)).status == 422
+    assert changed.resume(job.id).state == JobState.queued
 
 
 def test_running_caps_skip_to_the_next_eligible_job_in_priority_order(
