@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import re
@@ -243,14 +244,25 @@ def load_recipe(
 ) -> Recipe:
     """Read recipe ``name`` (or a YAML path), apply dotted ``overrides``, validate."""
     path = recipe_path(name)
+    st = path.stat()
+    # a shallow copy: apply_overrides copies deeply before it changes anything
+    raw = dict(_read_recipe_file(str(path.resolve()), st.st_mtime_ns, st.st_size))
+    raw.setdefault("name", path.stem)
+    return validate_recipe(apply_overrides(raw, overrides or {}))
+
+
+@functools.lru_cache(maxsize=64)
+def _read_recipe_file(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
+    """A recipe file's mapping, parsed once per version of the file (its modification time
+    and size are the key): parsing is most of what loading a recipe costs (~20 ms), and a
+    job's submission loads its recipe several times. Callers copy what they change."""
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(Path(path).read_text()) or {}
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe must be a mapping")
-    raw.setdefault("name", path.stem)
-    return validate_recipe(apply_overrides(raw, overrides or {}))
+    return raw
 
 
 def list_recipes() -> dict[str, str]:

@@ -1,9 +1,11 @@
 import re
+from pathlib import Path
 
 import pytest
 
 from training.recipe_schema import RESERVED_NAMES
 from training.recipes import (
+    RECIPES_DIR,
     RecipeError,
     flatten,
     list_recipes,
@@ -204,3 +206,17 @@ def test_a_transformer_crop_needs_a_classifier_cut_head_tail_and_something_to_cr
     ok = load_recipe("imdb-smoke", {"model.overrides.student_len": 16,
                                     "data.truncation": "head_tail"})
     assert ok.model.overrides["student_len"] == 16
+
+
+def test_a_recipe_file_is_read_again_when_it_changes_and_never_changed_by_a_load(
+        tmp_path: Path) -> None:
+    """Recipe files are parsed once per version (cached by modification time and size): an
+    edit is seen at the next load, and one load's overrides never leak into the next."""
+    path = tmp_path / "mine.yaml"
+    text = (RECIPES_DIR / "cifar10-smoke.yaml").read_text()
+    path.write_text(text)
+    assert load_recipe(path, {"epochs": 7, "optim.lr": 0.5}).epochs == 7
+    first = load_recipe(path)
+    assert first.epochs != 7 and first.optim.lr != 0.5 and first.name == "mine"
+    path.write_text(re.sub(r"(?m)^epochs: .*$", "epochs: 9  # edited", text))
+    assert load_recipe(path).epochs == 9
