@@ -269,9 +269,11 @@ def list_recipes() -> dict[str, str]:
     """Recipe name -> one-line description, for every YAML in ``training/recipes``."""
     out = {}
     for p in sorted(RECIPES_DIR.glob("*.yaml")):
+        st = p.stat()
         try:
-            desc = (yaml.safe_load(p.read_text()) or {}).get("description", "")
-        except yaml.YAMLError:
+            desc = _read_recipe_file(str(p.resolve()), st.st_mtime_ns, st.st_size).get(
+                "description", "")
+        except RecipeError:  # not YAML, or not a mapping
             desc = "(invalid YAML)"
         out[p.stem] = str(desc).strip().splitlines()[0] if desc else ""
     return out

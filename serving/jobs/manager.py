@@ -33,7 +33,6 @@ from serving.jobs.model import Job, JobError, JobState
 from serving.jobs.progress import read_progress, tail_lines
 from serving.jobs.resources import ResourceView
 from serving.jobs.store import JobStore, utcnow
-from training.recipes import setting_texts
 from vit_service.config import DEFAULT_PRINCIPAL, Settings
 
 log = logging.getLogger(__name__)
@@ -317,23 +316,11 @@ class JobManager:
 
     def _admissible(self, recipe: str, overrides: dict[str, Any], nprocs: int, *,
                     recipe_checks: bool = True) -> dict[str, Any]:
-        """What a job must pass before it is queued, against this server's settings now:
-        ``nprocs`` and the size caps, paths inside the data and home folders (returned
-        resolved), with ``recipe_checks`` the recipe's schema as the trainer will read it and
-        the model's size and data set, a reachable executor and a machine it fits. 422 (503
-        without an executor)."""
-        if not 1 <= nprocs <= self.settings.jobs_max_procs:
-            raise JobError(422, f"nprocs must be between 1 and {self.settings.jobs_max_procs}")
-        roots = [self.settings.data_dir.resolve(), self.settings.home.resolve()]
-        overrides = validation.resolve_paths(overrides, roots)
-        validation.check_caps(overrides, self.settings)
-        # checked as the trainer will read them: the --set texts its command line carries
-        as_read = setting_texts(overrides)
-        if recipe_checks:
-            self.validate(recipe, as_read)
-        if recipe_checks and self.validate is validation.validate_recipe:  # its model counts
-            validation.check_model_size(recipe, as_read, self.settings.jobs_max_params)
-            validation.check_dataset(recipe, as_read, self.settings)
+        """:func:`~.validation.check_request` against this server's settings now, then a
+        reachable executor (503) and a machine the job fits (422). Returns the overrides
+        with their paths resolved."""
+        overrides = validation.check_request(recipe, overrides, nprocs, self.settings,
+                                             self.validate if recipe_checks else None)
         self.executor.check()
         self._check_fits(Job.model_construct(recipe=recipe, overrides=overrides, nprocs=nprocs))
         return overrides

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,28 @@ def check_caps(overrides: dict[str, Any], s: Settings) -> None:
     if isinstance(budget, (int, float)) and budget > s.jobs_max_budget_minutes:
         raise JobError(422, f"override 'budget_minutes': {budget} is over this server's "
                             f"limit of {s.jobs_max_budget_minutes}")
+
+
+def check_request(recipe: str, overrides: dict[str, Any], nprocs: int, s: Settings,
+                  validate: Callable[[str, dict[str, Any]], None] | None) -> dict[str, Any]:
+    """A job's typed ``overrides`` against the settings ``s``: ``nprocs`` and the size caps,
+    paths inside the data and home folders (returned resolved), and, given ``validate``, the
+    recipe as the trainer will read it (with the real :func:`validate_recipe`, also the
+    model's size and the data set). :class:`JobError` 422."""
+    if not 1 <= nprocs <= s.jobs_max_procs:
+        raise JobError(422, f"nprocs must be between 1 and {s.jobs_max_procs}")
+    overrides = resolve_paths(overrides, [s.data_dir.resolve(), s.home.resolve()])
+    check_caps(overrides, s)
+    if validate is not None:
+        from training.recipes import setting_texts
+
+        # checked as the trainer will read them: the --set texts its command line carries
+        as_read = setting_texts(overrides)
+        validate(recipe, as_read)
+        if validate is validate_recipe:  # a real recipe: its model can be counted
+            check_model_size(recipe, as_read, s.jobs_max_params)
+            check_dataset(recipe, as_read, s)
+    return overrides
 
 
 def check_model_size(recipe: str, overrides: dict[str, Any], max_params: int) -> None:
