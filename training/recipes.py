@@ -244,17 +244,24 @@ def load_recipe(
 ) -> Recipe:
     """Read recipe ``name`` (or a YAML path), apply dotted ``overrides``, validate."""
     path = recipe_path(name)
-    st = path.stat()
     # a shallow copy: apply_overrides copies deeply before it changes anything
-    raw = dict(_read_recipe_file(str(path.resolve()), st.st_mtime_ns, st.st_size))
+    raw = dict(_read_recipe_file(*_version(path)))
     raw.setdefault("name", path.stem)
     return validate_recipe(apply_overrides(raw, overrides or {}))
 
 
+def _version(path: Path) -> tuple[str, int, int, int, int]:
+    """What tells one version of a file from another: its resolved path, inode, size and
+    modification and change times (an edit that keeps the size within one clock tick, or a
+    copy that keeps the mtime, still changes the inode or the change time)."""
+    st = path.stat()
+    return str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 @functools.lru_cache(maxsize=64)
-def _read_recipe_file(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
-    """A recipe file's mapping, parsed once per version of the file (its modification time
-    and size are the key): parsing is most of what loading a recipe costs (~20 ms), and a
+def _read_recipe_file(path: str, *version: int) -> dict[str, Any]:
+    """A recipe file's mapping, parsed once per version of the file (``version``: see
+    :func:`_version`): parsing is most of what loading a recipe costs (~20 ms), and a
     job's submission loads its recipe several times. Callers copy what they change."""
     try:
         raw = yaml.safe_load(Path(path).read_text()) or {}
@@ -269,12 +276,12 @@ def list_recipes() -> dict[str, str]:
     """Recipe name -> one-line description, for every YAML in ``training/recipes``."""
     out = {}
     for p in sorted(RECIPES_DIR.glob("*.yaml")):
-        st = p.stat()
         try:
-            desc = _read_recipe_file(str(p.resolve()), st.st_mtime_ns, st.st_size).get(
-                "description", "")
+            desc = _read_recipe_file(*_version(p)).get("description", "")
+        except OSError:  # removed since the listing
+            continue
         except RecipeError:  # not YAML, or not a mapping
-            desc = "(invalid YAML)"
+            desc = "(not a valid recipe file)"
         out[p.stem] = str(desc).strip().splitlines()[0] if desc else ""
     return out
 

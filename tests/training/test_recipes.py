@@ -220,3 +220,16 @@ def test_a_recipe_file_is_read_again_when_it_changes_and_never_changed_by_a_load
     assert first.epochs != 7 and first.optim.lr != 0.5 and first.name == "mine"
     path.write_text(re.sub(r"(?m)^epochs: .*$", "epochs: 9  # edited", text))
     assert load_recipe(path).epochs == 9
+
+
+def test_list_recipes_names_a_file_that_is_not_a_recipe_instead_of_failing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import training.recipes as recipes
+
+    (tmp_path / "good.yaml").write_text((RECIPES_DIR / "cifar10-smoke.yaml").read_text())
+    (tmp_path / "a-list.yaml").write_text("- 1\n- 2\n")
+    (tmp_path / "broken.yaml").write_text("a: [1,\n")
+    monkeypatch.setattr(recipes, "RECIPES_DIR", tmp_path)
+    listed = recipes.list_recipes()
+    assert listed["a-list"] == listed["broken"] == "(not a valid recipe file)"
+    assert listed["good"] and not listed["good"].startswith("(")
