@@ -143,8 +143,9 @@ def plot(args: argparse.Namespace) -> None:
     missing = sorted(set(recipes) - {r["recipe"] for r in every})
     if missing:  # a typo would otherwise draw an empty plot over the docs' one
         raise SystemExit(f"no results for {', '.join(missing)} in {args.results}")
+    shown = [r for r in every if r["recipe"] in recipes]
     # one line and one table per recipe and kind of CPU: their speeds differ several-fold
-    groups = sorted({(r["recipe"], machine_kind(r)) for r in every if r["recipe"] in recipes},
+    groups = sorted({(r["recipe"], machine_kind(r)) for r in shown},
                     key=lambda g: (recipes.index(g[0]), g[1]))
     several = len({kind for _, kind in groups}) > 1
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
@@ -152,7 +153,7 @@ def plot(args: argparse.Namespace) -> None:
     colors = itertools.cycle(("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
                               "tab:brown", "tab:pink", "tab:gray"))
     for (recipe, kind), color in zip(groups, colors, strict=False):  # colours cycle
-        rows = [r for r in every if r["recipe"] == recipe and machine_kind(r) == kind]
+        rows = [r for r in shown if r["recipe"] == recipe and machine_kind(r) == kind]
         name = f"{recipe}, {kind}" if several else recipe
         by: dict[float, list[float]] = defaultdict(list)
         for r in rows:
@@ -170,8 +171,8 @@ def plot(args: argparse.Namespace) -> None:
     ax.set_xticks(ticks, [f"{b:g}" for b in ticks])
     ax.set_xlabel("training budget, minutes (whole run: data, training, evaluation)")
     ax.set_ylabel("CIFAR-10 validation accuracy, %")
-    cpus = sorted({str(r.get("cpu", "?")) for r in every if r["recipe"] in recipes})
-    cores_ = sorted({str(r.get("cores", "?")) for r in every if r["recipe"] in recipes})
+    cpus = sorted({str(r.get("cpu", "?")) for r in shown})
+    cores_ = sorted({str(r.get("cores", "?")) for r in shown})
     ax.set_title(f"Time to accuracy on {' / '.join(cpus)}, {' / '.join(cores_)} cores",
                  fontsize=8)
     ax.grid(alpha=0.3)

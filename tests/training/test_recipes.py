@@ -210,7 +210,7 @@ def test_a_transformer_crop_needs_a_classifier_cut_head_tail_and_something_to_cr
 
 def test_a_recipe_file_is_read_again_when_it_changes_and_never_changed_by_a_load(
         tmp_path: Path) -> None:
-    """Recipe files are parsed once per version (cached by modification time and size): an
+    """Recipe files are parsed once per version (cached by path, inode, size and times): an
     edit is seen at the next load, and one load's overrides never leak into the next."""
     path = tmp_path / "mine.yaml"
     text = (RECIPES_DIR / "cifar10-smoke.yaml").read_text()
