@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from training.init import encoder_of
+from training.lion import Lion
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +85,16 @@ def param_groups(model: nn.Module, weight_decay: float,
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
                     betas: tuple[float, float], eps: float, layer_decay: float | None,
-                    fused: bool) -> torch.optim.AdamW:
-    """AdamW over :func:`param_groups`; ``fused`` asks for the fused kernel and falls back to
-    the default (foreach) implementation where this build or device has none. The trainer
+                    fused: bool, algorithm: Literal["adamw", "lion"] = "adamw",
+                    ) -> torch.optim.Optimizer:
+    """AdamW (or :class:`~training.lion.Lion`, ``algorithm="lion"``; ``eps`` and ``fused``
+    unused) over :func:`param_groups`; ``fused`` asks for the fused AdamW kernel and falls back
+    to the default (foreach) implementation where this build or device has none. The trainer
     asks for it on every device: on the CPU too it is one kernel over all the parameters,
     several times faster than foreach (docs/benchmarks.md ledger)."""
     groups = param_groups(model, weight_decay, layer_decay)
+    if algorithm == "lion":
+        return Lion(groups, lr=lr, betas=betas, weight_decay=weight_decay)
     if fused:
         try:
             return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)

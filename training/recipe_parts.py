@@ -134,6 +134,9 @@ class DataSpec(Strict):
 
 
 class OptimSpec(Strict):
+    optimizer: Literal["adamw", "lion"] = Field(
+        "adamw", description="adamw, or lion (sign updates, one state tensor; wants a 3-10x "
+        "smaller lr and a 3-10x larger weight_decay than AdamW; eps unused)")
     lr: float = Field(gt=0, le=10, description="peak learning rate (for the global batch)")
     min_lr: float = Field(0.0, ge=0, description="the lr of the last update (decay floor)")
     schedule: Literal["cosine", "linear"] = Field(

@@ -165,7 +165,7 @@ def build_run(recipe: Recipe, dist: DistInfo, settings: Settings, *,
     o = recipe.optim
     ema = ModelEma(model, o.ema_decay) if o.ema_decay else None
     optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.layer_decay,
-                                fused=True)
+                                fused=True, algorithm=o.optimizer)
     steps_per_epoch = task.steps_per_epoch()
     total_steps = recipe.epochs * steps_per_epoch
 
