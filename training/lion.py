@@ -23,11 +23,11 @@ class Lion(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-4,
                  betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0) -> None:
-        if lr <= 0:
+        if not lr > 0:  # written so that nan fails too
             raise ValueError(f"Lion: lr must be positive, got {lr}")
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"Lion: betas must lie in [0, 1), got {betas}")
-        if weight_decay < 0:
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"Lion: betas must be two values in [0, 1), got {betas}")
+        if not weight_decay >= 0:
             raise ValueError(f"Lion: weight_decay must be >= 0, got {weight_decay}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
 

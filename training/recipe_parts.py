@@ -133,17 +133,23 @@ class DataSpec(Strict):
         return self
 
 
+Beta = Annotated[float, Field(ge=0, lt=1)]
+_LION_BETAS = (0.9, 0.99)  # the paper's; AdamW's 0.999 averages ~10x more updates into m
+
+
 class OptimSpec(Strict):
     optimizer: Literal["adamw", "lion"] = Field(
         "adamw", description="adamw, or lion (sign updates, one state tensor; wants a 3-10x "
-        "smaller lr and a 3-10x larger weight_decay than AdamW; eps unused)")
+        "smaller lr and a 3-10x larger weight_decay than AdamW; eps unused; betas (0.9, 0.99) "
+        "unless set, and a recipe's own betas are kept)")
     lr: float = Field(gt=0, le=10, description="peak learning rate (for the global batch)")
     min_lr: float = Field(0.0, ge=0, description="the lr of the last update (decay floor)")
     schedule: Literal["cosine", "linear"] = Field(
         "cosine", description="decay after warm-up, to min_lr at the last update; linear decay "
         "to zero is best under a fixed time budget (Li et al. 2020)")
     weight_decay: float = Field(0.05, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="each in [0, 1); without "
+                                     "a value, lion's default is (0.9, 0.99)")
     eps: float = Field(1e-8, gt=0)
     warmup_epochs: float | None = Field(None, ge=0)
     warmup_steps: int | None = Field(None, ge=0, le=COUNT_MAX)
@@ -158,11 +164,21 @@ class OptimSpec(Strict):
         "decay^(L - i), embeddings decay^(L + 1), head/norm lr; null = off"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _lion_betas(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("optimizer") == "lion" and "betas" not in data:
+            return {**data, "betas": _LION_BETAS}
+        return data
+
     @model_validator(mode="after")
     def _one_warmup(self) -> OptimSpec:
         if sum(w is not None for w in (self.warmup_epochs, self.warmup_steps,
                                        self.warmup_fraction)) > 1:
             raise ValueError("set one of warmup_epochs, warmup_steps, warmup_fraction")
+        if self.lr * self.weight_decay >= 1:  # decoupled decay: p *= 1 - lr * wd per update
+            raise ValueError(f"optim.lr * optim.weight_decay must be < 1, got {self.lr} * "
+                             f"{self.weight_decay}: the decay would zero or flip the weights")
         return self
 
 

@@ -1,6 +1,6 @@
 """One optimisation step and what it measures: soft-target cross-entropy, ``train_step``
-(autocast, backward, clipping, AdamW), seeding, the linear-probe freeze, and the running
-window of train metrics between two logs."""
+(autocast, backward, clipping, the optimizer update), seeding, the linear-probe freeze, and
+the running window of train metrics between two logs."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ def train_step(
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One optimisation step: forward (``train_model``: maybe DDP/compiled ``model``) under
     autocast, soft-target cross-entropy (or the mae/mlm model's own loss), backward, clip,
-    AdamW. Returns the detached loss, the logits (None when pretraining) and the pre-clip
-    gradient norm (None without clipping)."""
+    the optimizer update. Returns the detached loss, the logits (None when pretraining) and
+    the pre-clip gradient norm (None without clipping)."""
     device_type = batch.labels.device.type
     logits = None
     with torch.autocast(device_type, dtype=amp_dtype or torch.bfloat16,

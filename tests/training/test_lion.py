@@ -1,6 +1,9 @@
 """Lion (training/lion.py) against the paper's update written out per tensor, and chosen by
 the recipe's ``optim.optimizer``."""
 
+import io
+import re
+
 import pytest
 import torch
 
@@ -48,7 +51,60 @@ def test_lion_moves_every_coordinate_by_lr_and_skips_params_without_grad() -> No
     assert list(sd["state"]) == [0] and set(sd["state"][0]) == {"exp_avg"}
 
 
-@pytest.mark.parametrize("bad", [{"lr": 0.0}, {"betas": (0.9, 1.0)}, {"weight_decay": -1.0}])
+def test_lion_steps_at_the_lr_the_schedule_wrote_into_each_group() -> None:
+    # the trainer's LrSchedule writes group["lr"] before every update; the constructor's lr is
+    # only the default
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(3))
+    ref_a, ref_b = a.detach().clone(), b.detach().clone()
+    m_a, m_b = torch.zeros(4), torch.zeros(3)
+    opt = Lion([{"params": [a], "weight_decay": 0.2}, {"params": [b]}], lr=1.0)
+    for lrs in [(0.01, 0.02), (0.005, 0.0)]:
+        for group, lr in zip(opt.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        ga, gb = torch.randn(4), torch.randn(3)
+        a.grad, b.grad = ga.clone(), gb.clone()
+        opt.step()
+        _reference_step(ref_a, ga, m_a, lrs[0], (0.9, 0.99), 0.2)
+        _reference_step(ref_b, gb, m_b, lrs[1], (0.9, 0.99), 0.0)
+    torch.testing.assert_close(a.detach(), ref_a)
+    torch.testing.assert_close(b.detach(), ref_b)
+
+
+def test_lion_resumed_from_its_state_dict_continues_the_same_trajectory() -> None:
+    torch.manual_seed(0)
+    grads = [torch.randn(5) for _ in range(6)]
+
+    def run(steps: range, p: torch.nn.Parameter, opt: Lion) -> None:
+        for i in steps:
+            p.grad = grads[i].clone()
+            opt.step()
+
+    p = torch.nn.Parameter(torch.ones(5))
+    opt = Lion([p], lr=0.1, weight_decay=0.1)
+    run(range(6), p, opt)  # six updates in one go
+
+    q = torch.nn.Parameter(torch.ones(5))
+    first = Lion([q], lr=0.1, weight_decay=0.1)
+    run(range(3), q, first)
+    saved = torch.load(_roundtrip(first.state_dict()), weights_only=True)  # as a checkpoint
+    resumed = Lion([q], lr=0.1, weight_decay=0.1)
+    resumed.load_state_dict(saved)
+    run(range(3, 6), q, resumed)  # the momentum carried over: the same weights
+    torch.testing.assert_close(q.detach(), p.detach())
+    torch.testing.assert_close(resumed.state[q]["exp_avg"], opt.state[p]["exp_avg"])
+
+
+def _roundtrip(obj: object) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+@pytest.mark.parametrize("bad", [{"lr": 0.0}, {"lr": float("nan")}, {"betas": (0.9, 1.0)},
+                                 {"betas": (0.9,)}, {"weight_decay": -1.0},
+                                 {"weight_decay": float("nan")}])
 def test_lion_refuses_bad_hyperparameters(bad: dict) -> None:
     with pytest.raises(ValueError, match="Lion"):
         Lion([torch.nn.Parameter(torch.zeros(1))], **bad)
@@ -65,3 +121,22 @@ def test_recipe_chooses_the_optimizer() -> None:
     assert load_recipe("cifar10-smoke", {}).optim.optimizer == "adamw"
     with pytest.raises(RecipeError, match="optimizer"):
         load_recipe("cifar10-smoke", {"optim.optimizer": "sgd"})
+
+
+def test_lion_takes_its_own_betas_unless_the_recipe_sets_them() -> None:
+    assert load_recipe("cifar10-smoke", {}).optim.betas == (0.9, 0.999)  # the recipe's own
+    from training.recipe_parts import OptimSpec
+
+    assert OptimSpec(lr=1e-4, optimizer="lion").betas == (0.9, 0.99)
+    assert OptimSpec(lr=1e-4).betas == (0.9, 0.999)
+    assert OptimSpec(lr=1e-4, optimizer="lion", betas=(0.95, 0.98)).betas == (0.95, 0.98)
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    ({"optim.betas": [0.9, 1.0]}, "optim.betas"),
+    ({"optim.betas": [-0.1, 0.9]}, "optim.betas"),
+    ({"optim.lr": 2.0, "optim.weight_decay": 0.5}, "lr * optim.weight_decay"),
+])
+def test_recipe_refuses_optimizer_settings_that_cannot_train(overrides: dict, says: str) -> None:
+    with pytest.raises(RecipeError, match=re.escape(says)):
+        load_recipe("cifar10-smoke", overrides)

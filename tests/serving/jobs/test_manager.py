@@ -274,6 +274,7 @@ LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     ({"seed": "2024-01-01"}, "not a JSON value"),  # YAML reads a date: no 500
     ({"seed": "2024-02-30"}, "seed"),  # a date that does not exist: no 500
     ({"optim.betas": "[2024-13-01]"}, "optim.betas"),
+    ({"optim.betas": "[0.9, 1.0]"}, "optim.betas"),  # a failed job, not a 422, before
     ({"seed": "9" * 5000}, "seed"),  # past Python's int digits: no 500
     ({"optim.lr": "1e400"}, "not a JSON value"),  # inf
     ({"optim.lr": ".nan"}, "not a JSON value"),
