@@ -22,7 +22,9 @@ table shows each row's updates per second. CPUs with and without native bf16 (AV
 AMX) train the recipes at several times different speeds, so their rows form separate lines
 and tables, never one mean. A line with a ``superseded`` field (why: e.g.
 measured while the machine ran at half the updates per second of the other rows) stays in the
-file as history but out of the plot and the table.
+file as history but out of the plot and the table. A line measured with an earlier form of
+the recipe names that form (``recipe_state``, e.g. its former optimizer) and gets a line and a
+table of its own beside the recipe as shipped (the lines without the field).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -144,17 +147,20 @@ def plot(args: argparse.Namespace) -> None:
     if missing:  # a typo would otherwise draw an empty plot over the docs' one
         raise SystemExit(f"no results for {', '.join(missing)} in {args.results}")
     shown = [r for r in every if r["recipe"] in recipes]
-    # one line and one table per recipe and kind of CPU: their speeds differ several-fold
-    groups = sorted({(r["recipe"], machine_kind(r)) for r in shown},
-                    key=lambda g: (recipes.index(g[0]), g[1]))
-    several = len({kind for _, kind in groups}) > 1
+    # one line and one table per recipe, form of it, and kind of CPU: their speeds differ
+    # several-fold
+    groups = sorted({(r["recipe"], r.get("recipe_state", ""), machine_kind(r)) for r in shown},
+                    key=lambda g: (recipes.index(g[0]), g[1], g[2]))
+    several = len({kind for _, _, kind in groups}) > 1
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     tables, means = [], {}
     colors = itertools.cycle(("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
                               "tab:brown", "tab:pink", "tab:gray"))
-    for (recipe, kind), color in zip(groups, colors, strict=False):  # colours cycle
-        rows = [r for r in shown if r["recipe"] == recipe and machine_kind(r) == kind]
-        name = f"{recipe}, {kind}" if several else recipe
+    for (recipe, state, kind), color in zip(groups, colors, strict=False):  # colours cycle
+        rows = [r for r in shown if r["recipe"] == recipe and machine_kind(r) == kind
+                and r.get("recipe_state", "") == state]
+        label = ", ".join(x for x in (state, kind if several else "") if x)
+        name = f"{recipe}, {label}" if label else recipe
         by: dict[float, list[float]] = defaultdict(list)
         for r in rows:
             by[float(r["budget_minutes"])].append(100 * r["val_acc"])
@@ -163,8 +169,8 @@ def plot(args: argparse.Namespace) -> None:
             ax.scatter([b] * len(by[b]), by[b], color=color, alpha=0.6, s=18)
         ax.plot(budgets, [statistics.mean(by[b]) for b in budgets], "-o", color=color,
                 label=f"{name} (mean of seeds)")
-        tables.append(f"`{recipe}`{f' ({kind})' if several else ''}\n\n{_table(rows)}")
-        means[(recipe, kind)] = {b: statistics.mean(by[b]) for b in budgets}
+        tables.append(f"`{recipe}`{f' ({label})' if label else ''}\n\n{_table(rows)}")
+        means[(recipe, state, kind)] = {b: statistics.mean(by[b]) for b in budgets}
     ticks = sorted({b for m in means.values() for b in m})
     ax.set_xscale("log")
     ax.minorticks_off()
@@ -197,9 +203,9 @@ def plot(args: argparse.Namespace) -> None:
         with mlflow.start_run(experiment_id=experiment_id, run_name="time-to-accuracy"):
             mlflow.log_artifact(str(out))
             mlflow.log_text(table, "time_to_accuracy.md")
-            for (recipe, kind), m in means.items():
+            for (recipe, state, kind), m in means.items():
                 # the kind always in the name: a metric keeps its name across benchmark runs
-                key = f"{recipe}.{kind.replace(' ', '_')}"
+                key = ".".join(re.sub(r"[^\w.\-/]", "_", x) for x in (recipe, state, kind) if x)
                 for b, acc in m.items():
                     mlflow.log_metric(f"{key}.val_acc_mean_{b:g}min", acc / 100)
 

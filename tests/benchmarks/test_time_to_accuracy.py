@@ -112,3 +112,23 @@ def test_plot_logs_to_the_projects_tracking_store(tmp_path: Path) -> None:
     assert run.info.artifact_uri.startswith((home / "mlartifacts").resolve().as_uri())
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {
         "p.png", "time_to_accuracy.md"}
+
+
+def test_an_earlier_form_of_the_recipe_gets_its_own_line_and_table(tmp_path: Path) -> None:
+    """Lines measured with a former form of the recipe (``recipe_state``) are not averaged
+    with those of the recipe as shipped."""
+    base = {"recipe": "r", "budget_minutes": 30, "wall_s": 1795, "load_before": 0.1,
+            "load_after": 2.0, "cores": 2, "cpu": "EPYC A", "native_bf16": True, "amx": False}
+    rows = [{**base, "seed": 0, "val_acc": 0.80, "steps": 16000},
+            {**base, "seed": 1, "val_acc": 0.82, "steps": 16000},
+            {**base, "seed": 0, "val_acc": 0.70, "steps": 9000, "recipe_state": "AdamW until X"}]
+    results = tmp_path / "r.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = subprocess.run([sys.executable, "benchmarks/time_to_accuracy.py", "plot",
+                           "--results", str(results), "--out", str(tmp_path / "p.png")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert "`r`\n" in text and "`r` (AdamW until X)" in text
+    assert "| 30 min | 2 | 80.00 / 82.00 % | **81.00 %** |" in text
+    assert "| 30 min | 1 | 70.00 % | **70.00 %** |" in text
