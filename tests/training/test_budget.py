@@ -113,7 +113,11 @@ def test_budget_run_ends_on_time_with_the_lr_at_its_final_value(
     assert int(p["budget.first_planned_steps"]) > 0
     # the end's cost was rehearsed (tenths of a second), not the guessed default
     assert 0 < float(p["budget.publish_s"]) < PUBLISH_RESERVE_S
-    assert "budget_underrun_reason" not in p
+    # On time, or early only because the end cost less than the rehearsal measured (a load
+    # that came and went between the two): then the run says so, and the accounts below hold.
+    # Any other reason (stopped, a throughput the plan misjudged) fails.
+    reason = p.get("budget_underrun_reason")
+    assert reason is None or reason.startswith("the last validation and publishing took"), reason
     # Timing in the run's own accounts, so that a loaded machine cannot fail it: training
     # stops when what was kept for the end (``reserve_s``) is left, then the end takes what it
     # takes (``end_s``). The run's wall time is therefore the budget less what was kept plus
