@@ -149,16 +149,17 @@ def plot(args: argparse.Namespace) -> None:
     shown = [r for r in every if r["recipe"] in recipes]
     # one line and one table per recipe, form of it, and kind of CPU: their speeds differ
     # several-fold
-    groups = sorted({(r["recipe"], r.get("recipe_state", ""), machine_kind(r)) for r in shown},
-                    key=lambda g: (recipes.index(g[0]), g[1], g[2]))
+    def group(r: dict[str, Any]) -> tuple[str, str, str]:
+        return r["recipe"], r.get("recipe_state", ""), machine_kind(r)
+
+    groups = sorted({group(r) for r in shown}, key=lambda g: (recipes.index(g[0]), g[1], g[2]))
     several = len({kind for _, _, kind in groups}) > 1
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     tables, means = [], {}
     colors = itertools.cycle(("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
                               "tab:brown", "tab:pink", "tab:gray"))
     for (recipe, state, kind), color in zip(groups, colors, strict=False):  # colours cycle
-        rows = [r for r in shown if r["recipe"] == recipe and machine_kind(r) == kind
-                and r.get("recipe_state", "") == state]
+        rows = [r for r in shown if group(r) == (recipe, state, kind)]
         label = ", ".join(x for x in (state, kind if several else "") if x)
         name = f"{recipe}, {label}" if label else recipe
         by: dict[float, list[float]] = defaultdict(list)

@@ -176,6 +176,10 @@ class OptimSpec(Strict):
         if sum(w is not None for w in (self.warmup_epochs, self.warmup_steps,
                                        self.warmup_fraction)) > 1:
             raise ValueError("set one of warmup_epochs, warmup_steps, warmup_fraction")
+        return self
+
+    @model_validator(mode="after")
+    def _decay_below_one(self) -> OptimSpec:
         if self.lr * self.weight_decay >= 1:  # decoupled decay: p *= 1 - lr * wd per update
             raise ValueError(f"optim.lr * optim.weight_decay must be < 1, got {self.lr} * "
                              f"{self.weight_decay}: the decay would zero or flip the weights")

@@ -8,6 +8,15 @@ import sys
 from pathlib import Path
 
 
+def _plot(tmp_path: Path, rows: list[dict], *args: str) -> subprocess.CompletedProcess[str]:
+    """``time_to_accuracy.py plot`` over ``rows`` as a results file, drawing tmp_path/p.png."""
+    results = tmp_path / "r.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return subprocess.run([sys.executable, "benchmarks/time_to_accuracy.py", "plot", *args,
+                           "--results", str(results), "--out", str(tmp_path / "p.png")],
+                          capture_output=True, text=True, timeout=120)
+
+
 def test_plot_and_table_from_results(tmp_path: Path) -> None:
     rows = [{"recipe": "r", "budget_minutes": b, "seed": s, "val_acc": acc, "steps": st,
              "wall_s": 60 * b - 5, "load_before": 0.1, "load_after": 2.0, "cpu": "CPU X",
@@ -15,14 +24,9 @@ def test_plot_and_table_from_results(tmp_path: Path) -> None:
             for b, s, acc, st in ((5, 0, 0.70, 100), (5, 1, 0.72, 110), (10, 0, 0.80, 200))]
     # history that must stay out of the table and the plot (e.g. a slower machine's run)
     rows.append({**rows[2], "seed": 1, "val_acc": 0.10, "superseded": "a slower machine"})
-    results = tmp_path / "r.jsonl"
-    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "plot.png"
-    proc = subprocess.run([sys.executable, "benchmarks/time_to_accuracy.py", "plot",
-                           "--recipes", "r", "--results", str(results), "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    proc = _plot(tmp_path, rows, "--recipes", "r")
     assert proc.returncode == 0, proc.stderr
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = proc.stdout.splitlines()  # the recipe's name, a blank line, then its table
     assert lines[0] == "`r`" and lines[2].startswith("| budget |")
     # steps/s over the wall time: 100 / 295 and 110 / 295 -> 0.36; 200 / 595 -> 0.34
@@ -42,11 +46,7 @@ def test_cpus_with_and_without_native_bf16_form_separate_tables(tmp_path: Path) 
              "native_bf16": True, "avx512_bf16": True, "amx": False},
             {**base, "seed": 0, "val_acc": 0.72, "steps": 2600, "cpu": "EPYC B",
              "native_bf16": False, "avx512_bf16": False, "amx": False}]
-    results = tmp_path / "r.jsonl"
-    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = subprocess.run([sys.executable, "benchmarks/time_to_accuracy.py", "plot",
-                           "--results", str(results), "--out", str(tmp_path / "p.png")],
-                          capture_output=True, text=True, timeout=120)
+    proc = _plot(tmp_path, rows)
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     assert "`r` (AVX-512 BF16)" in text and "`r` (no native bf16)" in text
@@ -68,16 +68,11 @@ def test_a_results_line_records_the_cpus_bf16_flags() -> None:
 
 
 def test_plot_refuses_a_recipe_without_results(tmp_path: Path) -> None:
-    results = tmp_path / "r.jsonl"
-    results.write_text(json.dumps({"recipe": "r", "budget_minutes": 5, "seed": 0,
-                                   "val_acc": 0.7, "steps": 100, "wall_s": 295,
-                                   "load_before": 0.1, "load_after": 2.0, "cores": 2}) + "\n")
-    out = tmp_path / "p.png"
-    proc = subprocess.run([sys.executable, "benchmarks/time_to_accuracy.py", "plot",
-                           "--recipes", "r", "typo", "--results", str(results), "--out",
-                           str(out)], capture_output=True, text=True, timeout=120)
+    row = {"recipe": "r", "budget_minutes": 5, "seed": 0, "val_acc": 0.7, "steps": 100,
+           "wall_s": 295, "load_before": 0.1, "load_after": 2.0, "cores": 2}
+    proc = _plot(tmp_path, [row], "--recipes", "r", "typo")
     assert proc.returncode != 0 and "no results for typo" in proc.stderr
-    assert not out.exists()
+    assert not (tmp_path / "p.png").exists()
 
 
 def test_plot_logs_to_the_projects_tracking_store(tmp_path: Path) -> None:
@@ -122,11 +117,7 @@ def test_an_earlier_form_of_the_recipe_gets_its_own_line_and_table(tmp_path: Pat
     rows = [{**base, "seed": 0, "val_acc": 0.80, "steps": 16000},
             {**base, "seed": 1, "val_acc": 0.82, "steps": 16000},
             {**base, "seed": 0, "val_acc": 0.70, "steps": 9000, "recipe_state": "AdamW until X"}]
-    results = tmp_path / "r.jsonl"
-    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = subprocess.run([sys.executable, "benchmarks/time_to_accuracy.py", "plot",
-                           "--results", str(results), "--out", str(tmp_path / "p.png")],
-                          capture_output=True, text=True, timeout=120)
+    proc = _plot(tmp_path, rows)
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     assert "`r`\n" in text and "`r` (AdamW until X)" in text
