@@ -25,6 +25,12 @@ measured while the machine ran at half the updates per second of the other rows)
 file as history but out of the plot and the table. A line measured with an earlier form of
 the recipe names that form (``recipe_state``, e.g. its former optimizer) and gets a line and a
 table of its own beside the recipe as shipped (the lines without the field).
+
+A run made with ``vit-service train`` outside ``run`` (an ablation's run with exactly the
+settings the recipe later shipped) joins the family with ``add RUN_ID ... --recipe R
+[--loads BEFORE,AFTER ...]``: its logged ``recipe.*`` params must equal the shipped recipe's at
+its budget and seed (any other difference is refused, naming the field), and the line says so
+(``added_from``) and takes the wall time from the run's ``budget/wall_s``.
 """
 
 from __future__ import annotations
@@ -108,6 +114,86 @@ def run(args: argparse.Namespace) -> None:
                 f.write(json.dumps(rec) + "\n")
 
 
+# what may differ between a logged run and the recipe as shipped: the family's two variables,
+# and fields that do not change training
+FREE_PARAMS = frozenset({"recipe.budget_minutes", "recipe.seed", "recipe.description",
+                         "recipe.register_as"})
+
+
+def results_line(run: Any, recipe: str, loads: tuple[float, float] | None) -> dict[str, Any]:
+    """The results line of a finished MLflow run (an ``mlflow.entities.Run``) of ``recipe``
+    trained with ``vit-service train``, or SystemExit saying why it is not a run of the family:
+    every ``recipe.*`` param must equal the recipe as shipped now, at the run's budget and
+    seed. The CPU fields come from the run's ``machine.*`` params, the wall time from its
+    ``budget/wall_s``; ``loads`` (before, after) only where the caller measured them."""
+    from training.recipes import load_recipe
+    from training.reporting import recipe_params
+
+    p, m, name = run.data.params, run.data.metrics, run.info.run_name
+    if run.info.status != "FINISHED":
+        raise SystemExit(f"run {name} ({run.info.run_id}) is {run.info.status}, not FINISHED")
+    if p.get("recipe.name") != recipe:
+        raise SystemExit(f"run {name} trained {p.get('recipe.name')!r}, not {recipe!r}")
+    if p.get("recipe.budget_minutes", "null") == "null":
+        raise SystemExit(f"run {name} had no budget_minutes: not a run of the family")
+    budget, seed = float(p["recipe.budget_minutes"]), int(p["recipe.seed"])
+    shipped = recipe_params(load_recipe(recipe, {"budget_minutes": budget, "seed": seed}))
+    logged = {k: v for k, v in p.items() if k.startswith("recipe.")}
+    differ = sorted(k for k in shipped.keys() | logged.keys()
+                    if k not in FREE_PARAMS and shipped.get(k) != logged.get(k))
+    if differ:
+        raise SystemExit(f"run {name} is not {recipe} as shipped: " + "; ".join(
+            f"{k} was {logged.get(k)!r}, is now {shipped.get(k)!r}" for k in differ))
+    missing = {"val_acc", "budget/steps", "budget/wall_s"} - m.keys()
+    if missing:
+        raise SystemExit(f"run {name} logged no {', '.join(sorted(missing))}")
+    return {"recipe": recipe, "budget_minutes": budget, "seed": seed,
+            "val_acc": m["val_acc"], "steps": int(m["budget/steps"]),
+            "wall_s": round(m["budget/wall_s"], 1),
+            "load_before": loads[0] if loads else None,
+            "load_after": loads[1] if loads else None,
+            "cpu": p.get("machine.cpu"), "native_bf16": p.get("machine.native_bf16") == "True",
+            "avx512_bf16": p.get("machine.avx512_bf16") == "True",
+            "amx": p.get("machine.amx") == "True", "cores": int(p.get("machine.cpu_count", 0)),
+            "mlflow_run_id": run.info.run_id,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(run.info.start_time / 1000)),
+            "added_from": f"`vit-service train` run {name!r}, added with `add`"}
+
+
+def _get_run(client: Any, run_id: str) -> Any:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_run(run_id)
+    except MlflowException as e:
+        raise SystemExit(f"no run {run_id} in {client.tracking_uri}: {e.message}") from None
+
+
+def add(args: argparse.Namespace) -> None:
+    """Append the results lines of finished runs made outside ``run`` (e.g. an ablation's
+    runs with exactly the settings the recipe later shipped); all or none."""
+    from mlflow import MlflowClient
+
+    from vit_service import tracking
+
+    loads: list[tuple[float, float] | None] = [None] * len(args.run_ids)
+    if args.loads:
+        if len(args.loads) != len(args.run_ids):
+            raise SystemExit(f"{len(args.loads)} --loads for {len(args.run_ids)} runs")
+        try:
+            loads = [(float(b), float(a)) for b, a in (x.split(",") for x in args.loads)]
+        except ValueError as e:
+            raise SystemExit(f"--loads takes BEFORE,AFTER per run: {e}") from None
+    tracking.configure()
+    client = MlflowClient()
+    lines = [results_line(_get_run(client, r), args.recipe, ld)
+             for r, ld in zip(args.run_ids, loads, strict=True)]
+    with Path(args.results).open("a") as f:
+        for rec in lines:
+            log.info("-> %s", rec)
+            f.write(json.dumps(rec) + "\n")
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     by: dict[float, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -118,7 +204,10 @@ def _table(rows: list[dict[str, Any]]) -> str:
     for b in sorted(by):
         rs = sorted(by[b], key=lambda r: r["seed"])
         accs = [100 * r["val_acc"] for r in rs]
-        loads = f"{min(r['load_before'] for r in rs):.1f}-{max(r['load_after'] for r in rs):.1f}"
+        before = [r["load_before"] for r in rs if r.get("load_before") is not None]
+        after = [r["load_after"] for r in rs if r.get("load_after") is not None]
+        # a line added from a run nobody measured the load of has none
+        loads = f"{min(before):.1f}-{max(after):.1f}" if before and after else "not recorded"
         # over the whole wall time (loading, evaluations, the end): the machine's speed
         rate = statistics.mean(r["steps"] / r["wall_s"] for r in rs)
         out.append(
@@ -224,12 +313,18 @@ def main(argv: list[str] | None = None) -> None:
     q = sub.add_parser("plot", help="the plot and the table from the results")
     q.add_argument("--out", default="docs/img/time_to_accuracy.png")
     q.add_argument("--log-to-mlflow", action="store_true")
-    r.add_argument("--recipe", default=RECIPE)
+    a = sub.add_parser("add", help="append the lines of finished `vit-service train` runs of "
+                       "the recipe as shipped, by MLflow run id")
+    a.add_argument("run_ids", nargs="+")
+    a.add_argument("--loads", nargs="+", metavar="BEFORE,AFTER",
+                   help="the load average before and after each run, in the same order")
+    for s in (r, a):
+        s.add_argument("--recipe", default=RECIPE)
     q.add_argument("--recipes", nargs="+", help="the recipes to draw (default: every one)")
-    for s in (r, q):
+    for s in (r, q, a):
         s.add_argument("--results", default="benchmarks/results/time_to_accuracy.jsonl")
     args = p.parse_args(argv)
-    run(args) if args.cmd == "run" else plot(args)
+    {"run": run, "plot": plot, "add": add}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ class MlflowRun:
 
     def log_recipe(self, recipe: Recipe, model_config: dict[str, Any],
                    extra: dict[str, Any]) -> None:
-        params = {f"recipe.{k}": v for k, v in flatten(recipe.to_dict()).items()}
+        params: dict[str, Any] = dict(recipe_params(recipe))
         params.update({f"model.{k}": v for k, v in model_config.items()})
         params.update(extra)
         self.log_params(params)
@@ -134,6 +134,12 @@ class MlflowRun:
     def end(self, status: str = "FINISHED") -> None:
         if self.mlflow.active_run() is not None:
             self.mlflow.end_run(status=status)
+
+
+def recipe_params(recipe: Recipe) -> dict[str, str]:
+    """The ``recipe.<dotted key>`` params a run logs for ``recipe``, as MLflow stores them
+    (strings, long ones cut): what a logged run is compared with to tell which recipe it ran."""
+    return {f"recipe.{k}": _param_str(v) for k, v in flatten(recipe.to_dict()).items()}
 
 
 def _param_str(v: Any) -> str:
