@@ -126,7 +126,7 @@ def results_line(run: Any, recipe: str, loads: tuple[float, float] | None) -> di
     every ``recipe.*`` param must equal the recipe as shipped now, at the run's budget and
     seed. The CPU fields come from the run's ``machine.*`` params, the wall time from its
     ``budget/wall_s``; ``loads`` (before, after) only where the caller measured them."""
-    from training.recipes import load_recipe
+    from training.recipes import RecipeError, load_recipe
     from training.reporting import recipe_params
 
     p, m, name = run.data.params, run.data.metrics, run.info.run_name
@@ -136,9 +136,15 @@ def results_line(run: Any, recipe: str, loads: tuple[float, float] | None) -> di
         raise SystemExit(f"run {name} trained {p.get('recipe.name')!r}, not {recipe!r}")
     if p.get("recipe.budget_minutes", "null") == "null":
         raise SystemExit(f"run {name} had no budget_minutes: not a run of the family")
-    budget, seed = float(p["recipe.budget_minutes"]), int(p["recipe.seed"])
-    shipped = recipe_params(load_recipe(recipe, {"budget_minutes": budget, "seed": seed}))
+    try:
+        budget, seed = float(p["recipe.budget_minutes"]), int(p["recipe.seed"])
+        shipped = recipe_params(load_recipe(recipe, {"budget_minutes": budget, "seed": seed}))
+    except (KeyError, ValueError) as e:  # RecipeError is a ValueError
+        why = e if isinstance(e, RecipeError) else f"bad or missing param {e}"
+        raise SystemExit(f"run {name}: {why}") from None
     logged = {k: v for k, v in p.items() if k.startswith("recipe.")}
+    # compared as MLflow stores them: a number given in a free-form field such as
+    # model.overrides as `0` where the recipe says `0.0` reads as a difference (named below)
     differ = sorted(k for k in shipped.keys() | logged.keys()
                     if k not in FREE_PARAMS and shipped.get(k) != logged.get(k))
     if differ:
@@ -147,17 +153,24 @@ def results_line(run: Any, recipe: str, loads: tuple[float, float] | None) -> di
     missing = {"val_acc", "budget/steps", "budget/wall_s"} - m.keys()
     if missing:
         raise SystemExit(f"run {name} logged no {', '.join(sorted(missing))}")
-    return {"recipe": recipe, "budget_minutes": budget, "seed": seed,
+    cores_ = p.get("machine.cpu_count")
+    line = {"recipe": recipe, "budget_minutes": budget, "seed": seed,
             "val_acc": m["val_acc"], "steps": int(m["budget/steps"]),
             "wall_s": round(m["budget/wall_s"], 1),
             "load_before": loads[0] if loads else None,
             "load_after": loads[1] if loads else None,
             "cpu": p.get("machine.cpu"), "native_bf16": p.get("machine.native_bf16") == "True",
             "avx512_bf16": p.get("machine.avx512_bf16") == "True",
-            "amx": p.get("machine.amx") == "True", "cores": int(p.get("machine.cpu_count", 0)),
+            "amx": p.get("machine.amx") == "True",
+            # the machine's count (os.cpu_count), where `run` records the affinity's
+            "cores": int(cores_) if cores_ else None,
             "mlflow_run_id": run.info.run_id,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(run.info.start_time / 1000)),
+            # the end, as `run` dates its lines
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(run.info.end_time / 1000)),
             "added_from": f"`vit-service train` run {name!r}, added with `add`"}
+    if "budget_underrun_reason" in p:  # it ended before its budget: the line says why
+        line["underrun"] = p["budget_underrun_reason"]
+    return line
 
 
 def _get_run(client: Any, run_id: str) -> Any:
@@ -184,11 +197,18 @@ def add(args: argparse.Namespace) -> None:
             loads = [(float(b), float(a)) for b, a in (x.split(",") for x in args.loads)]
         except ValueError as e:
             raise SystemExit(f"--loads takes BEFORE,AFTER per run: {e}") from None
+    results = Path(args.results)
+    known = {json.loads(x).get("mlflow_run_id") for x in
+             (results.read_text().splitlines() if results.exists() else []) if x.strip()}
+    again = sorted({r for r in args.run_ids if r in known or args.run_ids.count(r) > 1})
+    if again:  # a line twice would count as two seeds
+        raise SystemExit(f"already in {results} or given twice: {', '.join(again)}")
     tracking.configure()
     client = MlflowClient()
     lines = [results_line(_get_run(client, r), args.recipe, ld)
              for r, ld in zip(args.run_ids, loads, strict=True)]
-    with Path(args.results).open("a") as f:
+    results.parent.mkdir(parents=True, exist_ok=True)
+    with results.open("a") as f:
         for rec in lines:
             log.info("-> %s", rec)
             f.write(json.dumps(rec) + "\n")

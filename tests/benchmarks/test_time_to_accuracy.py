@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -128,16 +129,14 @@ def test_an_earlier_form_of_the_recipe_gets_its_own_line_and_table(tmp_path: Pat
     assert "| 30 min | 1 | 70.00 % | **70.00 %** |" in text
 
 
-def test_add_takes_only_finished_runs_of_the_recipe_as_shipped(
-        tmp_path: Path, monkeypatch) -> None:
-    """``add`` turns a ``vit-service train`` run into a results line when its logged recipe
-    is the shipped one at its budget and seed; a run with any other setting (here the former
-    learning rate) is refused and nothing is appended, not even the good run beside it."""
+
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A private home and SQLite tracking store, set for this process and undone after
+    (MLflow's process-wide tracking URI and the cached settings included)."""
     import mlflow
 
-    from benchmarks.time_to_accuracy import _table, main
-    from training.recipes import load_recipe
-    from training.reporting import recipe_params
+    from vit_service import tracking
     from vit_service.config import get_settings
 
     home = tmp_path / "home"
@@ -145,18 +144,35 @@ def test_add_takes_only_finished_runs_of_the_recipe_as_shipped(
     monkeypatch.setenv("VIT_SERVICE_HOME", str(home))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     get_settings.cache_clear()
+    try:
+        tracking.configure(uri)
+        yield uri
+    finally:
+        mlflow.set_tracking_uri(None)
+        get_settings.cache_clear()
+
+
+def test_add_takes_only_finished_runs_of_the_recipe_as_shipped(
+        tmp_path: Path, store: str) -> None:
+    """``add`` turns a ``vit-service train`` run into a results line when its logged recipe
+    is the shipped one at its budget and seed (the description may differ); a run with any
+    other setting (here the former learning rate, or a field the recipe does not have) is
+    refused and nothing is appended, not even the good run beside it; no run goes in twice."""
+    import mlflow
+
+    from benchmarks.time_to_accuracy import _table, main
+    from training.recipes import load_recipe
+    from training.reporting import recipe_params
     from vit_service import tracking
 
-    tracking.configure(uri)
-    client = mlflow.MlflowClient(uri)
+    client = mlflow.MlflowClient(store)
     exp = tracking.ensure_experiment("cifar10")
     shipped = recipe_params(load_recipe("cifar10-vit-cpu", {"budget_minutes": 5, "seed": 1}))
     machine = {"machine.cpu": "CPU X", "machine.native_bf16": "True",
                "machine.avx512_bf16": "True", "machine.amx": "False", "machine.cpu_count": "2"}
 
     def logged(name: str, params: dict[str, str], status: str = "FINISHED") -> str:
-        run = client.create_run(exp, run_name=name)
-        rid = run.info.run_id
+        rid = client.create_run(exp, run_name=name).info.run_id
         for k, v in {**params, **machine}.items():
             client.log_param(rid, k, v)
         for k, v in {"val_acc": 0.7, "budget/steps": 2883, "budget/wall_s": 289.64}.items():
@@ -164,35 +180,38 @@ def test_add_takes_only_finished_runs_of_the_recipe_as_shipped(
         client.set_terminated(rid, status)
         return rid
 
-    good = logged("good", shipped)
+    good = logged("good", {**shipped, "recipe.description": "an older wording",
+                           "budget_underrun_reason": "the last validation and publishing took"})
     former = logged("former", {**shipped, "recipe.optim.lr": "0.002"})
+    extra = logged("extra", {**shipped, "recipe.optim.nesterov": "True"})
     killed = logged("killed", shipped, status="KILLED")
-    results = tmp_path / "r.jsonl"
+    results = tmp_path / "r" / "r.jsonl"
 
     def add(*ids: str, loads: tuple[str, ...] = ()) -> None:
         main(["add", *ids, "--recipe", "cifar10-vit-cpu", "--results", str(results),
               *(["--loads", *loads] if loads else [])])
 
-    try:
-        for ids, why in (((good, former), "recipe.optim.lr was '0.002', is now '0.0003'"),
-                         ((killed,), "is KILLED, not FINISHED")):
-            with pytest.raises(SystemExit, match=re.escape(why)):
-                add(*ids)
-            assert not results.exists()
-        with pytest.raises(SystemExit, match="no run 0123abc in sqlite"):
-            add("0123abc")
-        with pytest.raises(SystemExit, match="1 --loads for 2 runs"):
-            add(good, good, loads=("0.5,2.0",))
-        add(good, loads=("0.5,2.0",))
-    finally:
-        get_settings.cache_clear()
+    for ids, why in (((good, former), "recipe.optim.lr was '0.002', is now '0.0003'"),
+                     ((extra,), "recipe.optim.nesterov was 'True', is now None"),
+                     ((killed,), "is KILLED, not FINISHED"),
+                     (("0123abc",), "no run 0123abc in sqlite"),
+                     ((good, good), f"given twice: {good}")):
+        with pytest.raises(SystemExit, match=re.escape(why)):
+            add(*ids)
+        assert not results.exists()
+    with pytest.raises(SystemExit, match="1 --loads for 2 runs"):
+        add(good, former, loads=("0.5,2.0",))
+    add(good, loads=("0.5,2.0",))
+    with pytest.raises(SystemExit, match=f"already in {re.escape(str(results))}"):
+        add(good)
     (row,) = [json.loads(x) for x in results.read_text().splitlines()]
     assert {k: row[k] for k in ("recipe", "budget_minutes", "seed", "val_acc", "steps",
                                 "wall_s", "load_before", "load_after", "cpu", "native_bf16",
-                                "amx", "cores", "mlflow_run_id")} == {
+                                "amx", "cores", "mlflow_run_id", "underrun")} == {
         "recipe": "cifar10-vit-cpu", "budget_minutes": 5.0, "seed": 1, "val_acc": 0.7,
         "steps": 2883, "wall_s": 289.6, "load_before": 0.5, "load_after": 2.0, "cpu": "CPU X",
-        "native_bf16": True, "amx": False, "cores": 2, "mlflow_run_id": good}
+        "native_bf16": True, "amx": False, "cores": 2, "mlflow_run_id": good,
+        "underrun": "the last validation and publishing took"}
     assert "'good'" in row["added_from"]
     # a line without loads (none measured) still makes a table row
     unmeasured = {**row, "load_before": None, "load_after": None}
