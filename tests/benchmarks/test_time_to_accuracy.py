@@ -129,7 +129,6 @@ def test_an_earlier_form_of_the_recipe_gets_its_own_line_and_table(tmp_path: Pat
     assert "| 30 min | 1 | 70.00 % | **70.00 %** |" in text
 
 
-
 @pytest.fixture
 def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A private home and SQLite tracking store, set for this process and undone after
