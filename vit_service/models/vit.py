@@ -46,6 +46,8 @@ class ViTConfig:
     # conv: 3x3 convs (stride 2 until the patch grid) + BN + ReLU, then a 1x1 projection
     # (Xiao et al. 2021, "Early convolutions help transformers see better")
     stem_width: int = 32  # conv stem: channels of its first conv, doubled at each stride 2
+    stem_depth: int = 1  # conv stem: 3x3 convs per resolution (a halving's first one strides 2);
+    # more of a CNN's local, data-efficient features before the tokens, at their cost per image
     tta_flip: bool = False  # evaluation and serving average the logits of the image and its
     # mirror image (flip test-time augmentation, vit_service.tta); the model itself never does
     patch_dropout: float = 0.0  # training only: each image keeps a random (1 - p) share of its
@@ -80,11 +82,12 @@ class PatchEmbed(nn.Module):
 
 
 class ConvStem(nn.Module):
-    """``(B, C, H, W)`` -> ``(B, N, D)``: a 3x3 conv at full resolution, then one 3x3 stride-2
-    conv per factor 2 of the patch size (channels doubling), each with BN + ReLU, then a 1x1
-    ``proj`` to the token width. Same patch grid as :class:`PatchEmbed`."""
+    """``(B, C, H, W)`` -> ``(B, N, D)``: ``depth`` 3x3 convs at full resolution, then ``depth``
+    per factor 2 of the patch size (the first strides 2, channels doubling), each with BN +
+    ReLU, then a 1x1 ``proj`` to the token width. Same patch grid as :class:`PatchEmbed`."""
 
-    def __init__(self, patch_size: int, in_chans: int, embed_dim: int, width: int) -> None:
+    def __init__(self, patch_size: int, in_chans: int, embed_dim: int, width: int,
+                 depth: int = 1) -> None:
         super().__init__()
         n_down = patch_size.bit_length() - 1
         if 2**n_down != patch_size:
@@ -93,10 +96,16 @@ class ConvStem(nn.Module):
             return [nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out),
                     nn.ReLU(inplace=True)]
 
+        if depth < 1:
+            raise ValueError(f"conv stem needs at least one conv per resolution, got {depth}")
         layers, c = conv_bn_relu(in_chans, width, 1), width  # full resolution
+        for _ in range(depth - 1):
+            layers += conv_bn_relu(c, c, 1)
         for _ in range(n_down):  # (B, c, H, W) -> (B, 2c, H/2, W/2)
             layers += conv_bn_relu(c, 2 * c, 2)
             c *= 2
+            for _ in range(depth - 1):
+                layers += conv_bn_relu(c, c, 1)
         c_in = c
         self.stem = nn.Sequential(*layers)
         self.proj = nn.Conv2d(c_in, embed_dim, kernel_size=1)
@@ -120,7 +129,8 @@ class ViT(nn.Module):
         self.config = c = config
         self.patch_embed: nn.Module = (
             PatchEmbed(c.patch_size, c.in_chans, c.embed_dim) if c.stem == "patch"
-            else ConvStem(c.patch_size, c.in_chans, c.embed_dim, c.stem_width))
+            else ConvStem(c.patch_size, c.in_chans, c.embed_dim, c.stem_width,
+                             c.stem_depth))
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim))
         table = self._fixed_positions(c.grid_size) if c.pos_encoding == "sinusoidal" else None
         register_pos_embed(self, c.pos_encoding, c.num_patches + 1, c.embed_dim, table)

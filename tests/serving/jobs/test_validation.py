@@ -92,3 +92,18 @@ def test_a_string_that_is_no_text_is_refused_wherever_it_is() -> None:
         with pytest.raises(JobError) as e:
             check_text("overrides", value)
         assert e.value.status == 422 and where in e.value.detail, e.value.detail
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"stem": "conv", "stem_width": 24}, {"stem": "conv", "stem_width": 24, "stem_depth": 2},
+    {"stem": "conv", "stem_width": 64, "stem_depth": 3},
+])
+def test_the_size_estimate_bounds_the_built_conv_stem_from_above(overrides: dict) -> None:
+    """A job's size is refused on the estimate, before anything is built: a deeper stem must not
+    slip under the cap by being counted as a one-conv-per-resolution stem."""
+    from serving.jobs.validation import estimate_parameters
+    from vit_service.models import count_parameters, create_model, get_config
+
+    cfg = get_config("vit_nano_patch4_32", **overrides)
+    built = count_parameters(create_model("vit_nano_patch4_32", **overrides))
+    assert built <= estimate_parameters(cfg) <= 1.25 * built

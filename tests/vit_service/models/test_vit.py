@@ -107,6 +107,16 @@ def test_conv_stem_gives_the_same_token_grid() -> None:
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
 
+def test_deeper_conv_stem_adds_stride_1_convs_at_every_resolution() -> None:
+    model = create_model("vit_nano_patch4_32", stem="conv", stem_width=8, stem_depth=2)
+    convs = [m for m in model.patch_embed.stem if isinstance(m, torch.nn.Conv2d)]
+    assert [c.stride[0] for c in convs] == [1, 1, 2, 1, 2, 1]  # two convs at 32, 16 and 8 px
+    assert [c.out_channels for c in convs] == [8, 8, 16, 16, 32, 32]
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    with pytest.raises(ValueError, match="at least one conv"):
+        create_model("vit_nano_patch4_32", stem="conv", stem_depth=0)
+
+
 def test_conv_stem_runs_its_convolutions_channels_last_with_the_same_values() -> None:
     torch.manual_seed(0)
     model = create_model("vit_nano_patch4_32", stem="conv").eval()
