@@ -107,3 +107,13 @@ def test_the_size_estimate_bounds_the_built_conv_stem_from_above(overrides: dict
     cfg = get_config("vit_nano_patch4_32", **overrides)
     built = count_parameters(create_model("vit_nano_patch4_32", **overrides))
     assert built <= estimate_parameters(cfg) <= 1.25 * built
+
+
+def test_a_conv_stem_with_no_convs_is_refused_before_it_is_queued() -> None:
+    from serving.jobs.validation import validate_recipe
+
+    for key in ("model.overrides.stem_depth", "model.overrides.stem_width"):
+        with pytest.raises(JobError) as e:
+            validate_recipe("cifar10-vit-convstem-cpu", {key: 0})
+        assert e.value.status == 422 and f"{key.rsplit('.', 1)[1]} must be > 0" in str(
+            e.value.detail), e.value.detail

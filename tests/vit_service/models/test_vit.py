@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from vit_service.models import create_model, get_config, set_fused_attn
-from vit_service.models.vit import ViT, ViTConfig
+from vit_service.models.vit import ConvStem, ViT, ViTConfig
 
 timm = pytest.importorskip("timm")
 
@@ -114,7 +114,10 @@ def test_deeper_conv_stem_adds_stride_1_convs_at_every_resolution() -> None:
     assert [c.out_channels for c in convs] == [8, 8, 16, 16, 32, 32]
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     with pytest.raises(ValueError, match="at least one conv"):
-        create_model("vit_nano_patch4_32", stem="conv", stem_depth=0)
+        ConvStem(4, 3, 128, 8, depth=0)
+    for field in ("stem_depth", "stem_width"):  # refused with the config, before any build
+        with pytest.raises(ValueError, match=f"{field} must be > 0"):
+            create_model("vit_nano_patch4_32", stem="conv", **{field: 0})
 
 
 def test_conv_stem_runs_its_convolutions_channels_last_with_the_same_values() -> None:
