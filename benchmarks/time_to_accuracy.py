@@ -36,6 +36,7 @@ its budget and seed (any other difference is refused, naming the field), and the
 from __future__ import annotations
 
 import argparse
+import ast
 import itertools
 import json
 import logging
@@ -120,6 +121,36 @@ FREE_PARAMS = frozenset({"recipe.budget_minutes", "recipe.seed", "recipe.descrip
                          "recipe.register_as"})
 
 
+def _param_value(s: str) -> Any:
+    """A logged param as the value it spells: numbers as floats (``0`` and ``0.0`` alike, as
+    a free-form field such as model.overrides may be given either way), containers element by
+    element; booleans stay booleans (``True`` is not ``1``); a string that is no literal
+    (``null``, a name) stays itself."""
+    def norm(v: Any) -> Any:
+        if isinstance(v, bool):  # tagged: Python's True == 1.0
+            return ("bool", v)
+        if v is None:
+            return v
+        if isinstance(v, int | float):
+            return float(v)
+        if isinstance(v, list | tuple):
+            return [norm(x) for x in v]
+        if isinstance(v, dict):
+            return {k: norm(x) for k, x in v.items()}
+        return v
+    try:
+        return norm(ast.literal_eval(s))
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return s
+
+
+def same_param(a: str | None, b: str | None) -> bool:
+    """Whether two logged params (MLflow's strings, or None for absent) spell one value."""
+    if a is None or b is None:
+        return a is b
+    return a == b or _param_value(a) == _param_value(b)
+
+
 def results_line(run: Any, recipe: str, loads: tuple[float, float] | None) -> dict[str, Any]:
     """The results line of a finished MLflow run (an ``mlflow.entities.Run``) of ``recipe``
     trained with ``vit-service train``, or SystemExit saying why it is not a run of the family:
@@ -143,10 +174,8 @@ def results_line(run: Any, recipe: str, loads: tuple[float, float] | None) -> di
         why = e if isinstance(e, RecipeError) else f"bad or missing param {e}"
         raise SystemExit(f"run {name}: {why}") from None
     logged = {k: v for k, v in p.items() if k.startswith("recipe.")}
-    # compared as MLflow stores them: a number given in a free-form field such as
-    # model.overrides as `0` where the recipe says `0.0` reads as a difference (named below)
     differ = sorted(k for k in shipped.keys() | logged.keys()
-                    if k not in FREE_PARAMS and shipped.get(k) != logged.get(k))
+                    if k not in FREE_PARAMS and not same_param(shipped.get(k), logged.get(k)))
     if differ:
         raise SystemExit(f"run {name} is not {recipe} as shipped: " + "; ".join(
             f"{k} was {logged.get(k)!r}, is now {shipped.get(k)!r}" for k in differ))

@@ -181,6 +181,8 @@ def test_add_takes_only_finished_runs_of_the_recipe_as_shipped(
 
     good = logged("good", {**shipped, "recipe.description": "an older wording",
                            "budget_underrun_reason": "the last validation and publishing took"})
+    # the recipe's 0.0 given on the command line as 0: the same value, so the same recipe
+    zero = logged("zero", {**shipped, "recipe.model.overrides.drop_path_rate": "0"})
     former = logged("former", {**shipped, "recipe.optim.lr": "0.002"})
     extra = logged("extra", {**shipped, "recipe.optim.nesterov": "True"})
     killed = logged("killed", shipped, status="KILLED")
@@ -203,7 +205,9 @@ def test_add_takes_only_finished_runs_of_the_recipe_as_shipped(
     add(good, loads=("0.5,2.0",))
     with pytest.raises(SystemExit, match=f"already in {re.escape(str(results))}"):
         add(good)
-    (row,) = [json.loads(x) for x in results.read_text().splitlines()]
+    add(zero)
+    row, row_zero = [json.loads(x) for x in results.read_text().splitlines()]
+    assert row_zero["mlflow_run_id"] == zero
     assert {k: row[k] for k in ("recipe", "budget_minutes", "seed", "val_acc", "steps",
                                 "wall_s", "load_before", "load_after", "cpu", "native_bf16",
                                 "amx", "cores", "mlflow_run_id", "underrun")} == {
@@ -216,3 +220,16 @@ def test_add_takes_only_finished_runs_of_the_recipe_as_shipped(
     unmeasured = {**row, "load_before": None, "load_after": None}
     assert _table([unmeasured]).splitlines()[2].endswith("| not recorded |")
     assert _table([row]).splitlines()[2].endswith("| 0.5-2.0 |")
+
+
+@pytest.mark.parametrize(("a", "b", "same"), [
+    ("0", "0.0", True), ("2", "2", True), ("[0.9, 0.999]", "[0.9,0.999]", True),
+    ("[[0.5, 16]]", "[[0.5, 16.0]]", True), ("null", "null", True), ("mean", "mean", True),
+    ("0.1", "0.0", False), ("True", "1", False), ("mean", "cls", False), (None, "0", False),
+    ("[[0.5, 16]]", "[[0.5, 24]]", False), ("null", "0", False)])
+def test_add_compares_logged_params_as_the_values_they_spell(
+        a: str | None, b: str | None, same: bool) -> None:
+    from benchmarks.time_to_accuracy import same_param
+
+    assert same_param(a, b) is same
+    assert same_param(b, a) is same
