@@ -36,7 +36,6 @@ its budget and seed (any other difference is refused, naming the field), and the
 from __future__ import annotations
 
 import argparse
-import ast
 import itertools
 import json
 import logging
@@ -122,26 +121,20 @@ FREE_PARAMS = frozenset({"recipe.budget_minutes", "recipe.seed", "recipe.descrip
 
 
 def _param_value(s: str) -> Any:
-    """A logged param as the value it spells: numbers as floats (``0`` and ``0.0`` alike, as
-    a free-form field such as model.overrides may be given either way), containers element by
-    element; booleans stay booleans (``True`` is not ``1``); a string that is no literal
-    (``null``, a name) stays itself."""
+    """A logged param as the value it spells, read as the recipe reads a ``--set`` value
+    (``0`` and ``0.0`` alike, as a free-form field such as model.overrides may be given either
+    way; ``null`` as None); booleans tagged, as Python's ``True == 1``."""
+    from training.recipes import parse_value
+
     def norm(v: Any) -> Any:
-        if isinstance(v, bool):  # tagged: Python's True == 1.0
+        if isinstance(v, bool):
             return ("bool", v)
-        if v is None:
-            return v
-        if isinstance(v, int | float):
-            return float(v)
-        if isinstance(v, list | tuple):
+        if isinstance(v, list):
             return [norm(x) for x in v]
         if isinstance(v, dict):
             return {k: norm(x) for k, x in v.items()}
         return v
-    try:
-        return norm(ast.literal_eval(s))
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return s
+    return norm(parse_value(s))
 
 
 def same_param(a: str | None, b: str | None) -> bool:
