@@ -285,7 +285,7 @@ def plot(args: argparse.Namespace) -> None:
 
     groups = sorted({group(r) for r in shown}, key=lambda g: (recipes.index(g[0]), g[1], g[2]))
     several = len({kind for _, _, kind in groups}) > 1
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     tables, means = [], {}
     colors = itertools.cycle(("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
                               "tab:brown", "tab:pink", "tab:gray"))
@@ -299,8 +299,9 @@ def plot(args: argparse.Namespace) -> None:
         budgets = sorted(by)
         for b in budgets:
             ax.scatter([b] * len(by[b]), by[b], color=color, alpha=0.6, s=18)
-        ax.plot(budgets, [statistics.mean(by[b]) for b in budgets], "-o", color=color,
-                label=f"{name} (mean of seeds)")
+        # a recipe's former forms dashed, so that the recipes as shipped stand out
+        ax.plot(budgets, [statistics.mean(by[b]) for b in budgets], "--o" if state else "-o",
+                color=color, alpha=0.6 if state else 1.0, label=name)
         tables.append(f"`{recipe}`{f' ({label})' if label else ''}\n\n{_table(rows)}")
         means[(recipe, state, kind)] = {b: statistics.mean(by[b]) for b in budgets}
     ticks = sorted({b for m in means.values() for b in m})
@@ -311,14 +312,14 @@ def plot(args: argparse.Namespace) -> None:
     ax.set_ylabel("CIFAR-10 validation accuracy, %")
     cpus = sorted({str(r.get("cpu", "?")) for r in shown})
     cores_ = sorted({str(r.get("cores", "?")) for r in shown})
-    ax.set_title(f"Time to accuracy on {' / '.join(cpus)}, {' / '.join(cores_)} cores",
-                 fontsize=8)
+    ax.set_title(f"Time to accuracy on {' / '.join(cpus)}, {' / '.join(cores_)} cores "
+                 "(points: seeds; lines: their mean; dashed: a recipe's former form)", fontsize=8)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    # below the axes: the labels of former forms are long and would cover the points
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.14))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out)
+    fig.savefig(out, bbox_inches="tight")
     table = "\n\n".join(tables)
     print(table)
     log.info("wrote %s", out)
