@@ -212,6 +212,10 @@ class BudgetPlanner:
         self.window_s = window_s
         self.eval_s = 0.0
         self._marks: collections.deque[tuple[float, int]] = collections.deque()
+        # the first update measured: a new stage's first updates stall too (a new shape
+        # recompiles, its caches and allocations warm up) and would shrink the plan enough to
+        # skip a short stage, so each stage, like the run, is measured after its warm-up
+        self._measure_from = warmup_steps
         self._last_plan = -math.inf
         self.rate: float | None = None  # training steps per second (excluding evaluations)
         self.planned_steps: int | None = None
@@ -266,16 +270,17 @@ class BudgetPlanner:
         update ``warmup_steps`` (or at the first call after a resume); the first plan comes
         after 3 measured updates. With ``steps_per_eval`` (an evaluation every so many
         updates, ``eval_s`` each) the plan leaves room for the evaluations it implies.
-        ``stage``: the index in ``stages`` the run is in; a new stage is measured afresh."""
+        ``stage``: the index in ``stages`` the run is in; a new stage is measured afresh,
+        from its ``warmup_steps``-th update on (the plan made before it holds until then)."""
         now = self.clock()
         stage = min(stage, len(self.stages) - 1)
         if stage != self._stage:
             self._stage, self._last_plan = stage, -math.inf
             self._marks.clear()
-            self._marks.append((now - self._paused, step))
+            self._measure_from = step + self.warmup_steps
             return None
         if not self._marks:
-            if step >= self.warmup_steps:
+            if step >= self._measure_from:
                 self._marks.append((now - self._paused, step))
             return None
         t_train = now - self._paused

@@ -166,3 +166,27 @@ def test_budget_with_stages_ends_on_time_and_keeps_the_stage_split() -> None:
     assert 195 <= clock.t - 1000 <= 200.5  # on time, although the 16-px steps cost 0.3, not 0.26
     assert switch is not None and 0.4 <= switch / step <= 0.55  # about half the steps at 16 px
     assert 290 <= step <= 320  # 200 s = 0.5 N 0.3 + 0.5 N 1 -> ~307 steps
+
+
+def test_a_stage_whose_first_steps_stall_is_not_skipped() -> None:
+    # A new image size recompiles the step: its first updates stall. Measured from the
+    # stage's first update, a few stalled updates made the 24-px stage look ~6x dearer, the
+    # plan shrank below the stage's end and the run went straight on to 32 px.
+    from training.resolution import ResolutionSchedule
+
+    clock = FakeClock()
+    res = ResolutionSchedule([(0.4, 16), (0.7, 24)], full_size=32, patch_size=4,
+                             patch_dropout=0.5)
+    b = BudgetPlanner(600.0, clock.t, reserve_s=0.0, clock=clock, stages=res.stages)
+    cost = {16: 0.09, 24: 0.13, 32: 0.22}  # seconds per update, once warm
+    total, step, entered, stage_steps = 10_000, 0, {}, {16: 0, 24: 0, 32: 0}
+    while step < total:
+        res.advance(step, total)
+        first = entered.setdefault(res.size, step)
+        clock.t += cost[res.size] + (1.0 if step - first < 4 else 0.0)  # the stall
+        stage_steps[res.size] += 1
+        step += 1
+        p = b.observe(step, stage=res.stage)
+        total = p if p is not None else total
+    assert 0.2 <= stage_steps[24] / step <= 0.4, stage_steps  # its ~30 %, not 4 updates
+    assert 590 <= clock.t - 1000 <= 600.5  # and still on time
