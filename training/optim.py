@@ -215,7 +215,7 @@ class BudgetPlanner:
         # the first update measured: a new stage's first updates stall too (a new shape
         # recompiles, its caches and allocations warm up) and would shrink the plan enough to
         # skip a short stage, so each stage, like the run, is measured after its warm-up
-        self._measure_from = warmup_steps
+        self._measure_from: int | None = warmup_steps  # None: warm-up from the next call
         self._last_plan = -math.inf
         self.rate: float | None = None  # training steps per second (excluding evaluations)
         self.planned_steps: int | None = None
@@ -267,7 +267,7 @@ class BudgetPlanner:
                 stage: int = 0) -> int | None:
         """Call after each update with the number of updates done. Returns a new planned
         total when it (re)plans, else None (``step`` itself: stop now). Measuring starts at
-        update ``warmup_steps`` (or at the first call after a resume); the first plan comes
+        update ``warmup_steps`` (or ``warmup_steps`` after a resume); the first plan comes
         after 3 measured updates. With ``steps_per_eval`` (an evaluation every so many
         updates, ``eval_s`` each) the plan leaves room for the evaluations it implies.
         ``stage``: the index in ``stages`` the run is in; a new stage is measured afresh,
@@ -277,8 +277,10 @@ class BudgetPlanner:
         if stage != self._stage:
             self._stage, self._last_plan = stage, -math.inf
             self._marks.clear()
-            self._measure_from = step + self.warmup_steps
+            self._measure_from = step - 1 + self.warmup_steps  # step: its first update
             return None
+        if self._measure_from is None:  # the first update after a resume: its warm-up too
+            self._measure_from = step - 1 + self.warmup_steps  # step: its first update
         if not self._marks:
             if step >= self._measure_from:
                 self._marks.append((now - self._paused, step))
@@ -334,6 +336,8 @@ class BudgetPlanner:
         self.deadline = self.start + self.budget_s
         self.eval_s = float(state.get("eval_s", 0.0))
         self.planned_steps = state.get("planned_steps")
+        self._marks.clear()
+        self._measure_from = None
 
 
 # ----------------------------------------------------------------------------- EMA

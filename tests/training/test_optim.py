@@ -112,6 +112,20 @@ def test_budget_resume_counts_the_time_already_used() -> None:
     assert b2.time_left() == pytest.approx(60.0)
 
 
+def test_budget_resume_measures_after_the_warm_up() -> None:
+    # a resumed run recompiles its step: its first updates stall and must not set the rate
+    clock = FakeClock()
+    b = BudgetPlanner(1000.0, clock.t, reserve_s=0.0, warmup_steps=5, clock=clock)
+    b.load_state_dict({"used_s": 100.0, "planned_steps": 900, "eval_s": 0.0})
+    plan, step = None, 400
+    while plan is None:
+        clock.t += 5.0 if step < 404 else 1.0  # four stalled updates, then 1 s each
+        step += 1
+        plan = b.observe(step)
+    assert step == 400 + 5 + 3  # measured from the fifth update on, planned after three
+    assert b.rate == pytest.approx(1.0)
+
+
 def test_fused_adamw_falls_back_where_there_is_no_fused_kernel() -> None:
     model = torch.nn.Linear(3, 2)
     opt = build_optimizer(model, 1e-3, 0.05, (0.9, 0.999), 1e-8, None, fused=True)
