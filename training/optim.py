@@ -212,10 +212,10 @@ class BudgetPlanner:
         self.window_s = window_s
         self.eval_s = 0.0
         self._marks: collections.deque[tuple[float, int]] = collections.deque()
-        # the first update measured: a new stage's first updates stall too (a new shape
-        # recompiles, its caches and allocations warm up) and would shrink the plan enough to
-        # skip a short stage, so each stage, like the run, is measured after its warm-up
-        self._measure_from: int | None = warmup_steps  # None: warm-up from the next call
+        # the first update measured (None: ``warmup_steps`` after the next call's). The run's
+        # start, a resume and a new stage all stall (compiling for a shape, warming caches and
+        # allocations); measured, they would shrink the plan enough to skip a short stage
+        self._measure_from: int | None = None
         self._last_plan = -math.inf
         self.rate: float | None = None  # training steps per second (excluding evaluations)
         self.planned_steps: int | None = None
@@ -277,10 +277,9 @@ class BudgetPlanner:
         if stage != self._stage:
             self._stage, self._last_plan = stage, -math.inf
             self._marks.clear()
-            self._measure_from = step - 1 + self.warmup_steps  # step: its first update
-            return None
-        if self._measure_from is None:  # the first update after a resume: its warm-up too
-            self._measure_from = step - 1 + self.warmup_steps  # step: its first update
+            self._measure_from = None
+        if self._measure_from is None:  # ``step`` is the first update of this warm-up
+            self._measure_from = step - 1 + self.warmup_steps
         if not self._marks:
             if step >= self._measure_from:
                 self._marks.append((now - self._paused, step))
