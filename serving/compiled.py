@@ -5,7 +5,7 @@ GIL back after every op (a 6-layer ViT forward is a few hundred of them); a trac
 its ops in C++ without going back to Python between them (``benchmarks/bench_traced.py``;
 docs/serving.md, "Traced forwards").
 
-Both serving paths are traced, flip TTA included (:mod:`vit_service.tta`): the fused forward,
+Both serving paths are traced, TTA included (:mod:`vit_service.tta`): the fused forward,
 and ``forward_with_attention``, which returns the weights of the same pass; relevance (a
 backward pass) stays eager. The traces are checked against the eager model on two batch sizes
 (and, for text, two lengths and padding) before they are used: a trace that fails or disagrees

@@ -49,11 +49,13 @@ class BudgetController:
 
     # ------------------------------------------------------------------ before the first step
 
-    def probe(self, measure_eval: Callable[[], float | None], final_passes: float,
+    def probe(self, measure_eval: Callable[[], float | None],
+              measure_end: Callable[[], float | None],
               rehearse_publish: Callable[[], float], with_mlflow: bool) -> None:
-        """Size what the plan keeps free at the end: ``measure_eval()`` estimates the seconds
-        of one validation pass (None: no validation data, nothing to size; a resumed run
-        measured it before), ``final_passes`` is how many such passes the end runs, and
+        """Size what the plan keeps free: ``measure_eval()`` estimates the seconds of one
+        intermediate validation pass (None: no validation data, nothing to size; a resumed run
+        measured it before), ``measure_end()`` those of the passes the end runs (the last one
+        sees every TTA view and may run twice: fp32, and as served), and
         ``rehearse_publish()`` times publishing (rank 0; every rank follows its plan)."""
         b = self.planner
         if b.eval_s <= 0:
@@ -61,6 +63,7 @@ class BudgetController:
             if eval_s is None:
                 return
             b.eval_s = eval_s
+        end_s = measure_end() or 0.0
         publish_s = 0.0
         if self.dist.is_main:
             try:
@@ -71,9 +74,10 @@ class BudgetController:
                 publish_s = PUBLISH_RESERVE_S
         if self.dist.enabled:
             publish_s = float(broadcast_object(publish_s, self.dist))
-        b.keep_for_end(b.eval_s * final_passes, publish_s, BUDGET_MARGIN)
-        log.info("budget %.1f min: one evaluation ~%.1fs, publishing ~%.1fs, %.1fs kept for "
-                 "the end", b.budget_s / 60, b.eval_s, publish_s, b.reserve_s)
+        b.keep_for_end(end_s, publish_s, BUDGET_MARGIN)
+        log.info("budget %.1f min: one evaluation ~%.1fs, the end's ~%.1fs, publishing ~%.1fs, "
+                 "%.1fs kept for the end", b.budget_s / 60, b.eval_s, end_s, publish_s,
+                 b.reserve_s)
 
     # ------------------------------------------------------------------ while training
 

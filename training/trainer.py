@@ -229,16 +229,14 @@ class Trainer:
         """Budget mode, before the first step: size what the plan keeps for the end."""
         assert self.budget is not None
         s = self.setup
-        # the end's passes: the fp32 one, and the bf16 one as served, which runs on rank 0
-        # over every rank's rows and is faster than the fp32 one: one more pass per rank
-        # bounds it
-        passes = 1 + (s.dist.world_size if self.validator.records_bf16_val else 0)
 
-        def time_one_eval() -> float | None:
-            try:
-                return self.validator.time_one_pass(self.eval_model())
-            finally:
-                self._set_train_mode()
+        def timed(measure: Callable[[nn.Module], float | None]) -> Callable[[], float | None]:
+            def run() -> float | None:
+                try:
+                    return measure(self.eval_model())
+                finally:
+                    self._set_train_mode()
+            return run
 
         def rehearse() -> float:
             try:
@@ -246,7 +244,8 @@ class Trainer:
             finally:
                 self._set_train_mode()
 
-        self.budget.probe(time_one_eval, passes, rehearse, s.mlrun is not None)
+        self.budget.probe(timed(lambda m: self.validator.time_pass(m, final=False)),
+                          timed(self.validator.time_end), rehearse, s.mlrun is not None)
 
     def _loop(self, train_model: nn.Module, run_id: str | None) -> RunStatus:
         """Steps until the schedule's end, ``max_steps`` or a signal; returns the status."""

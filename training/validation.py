@@ -7,6 +7,7 @@ model to evaluate as an argument: it holds no training state.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -63,8 +64,8 @@ class Validator:
         ex = self.execution(final)
         with ex.applied(model):
             return evaluate_batches(model, self.task.val_batches(r.eval_batch_size),
-                                    self.task.forward, self.task.class_names, dev, ex.dtype,
-                                    reduce)
+                                    functools.partial(self.task.forward, final=final),
+                                    self.task.class_names, dev, ex.dtype, reduce)
 
     def served(self, model: nn.Module, fp32_acc: float | None) -> EvalResult | None:
         """The whole split once more (call on rank 0), as the server runs the model on this
@@ -81,21 +82,36 @@ class Validator:
                  fp32_acc if fp32_acc is not None else float("nan"), time.perf_counter() - t)
         return res
 
-    def time_one_pass(self, model: nn.Module) -> float | None:
-        """Seconds of one pass on this rank, estimated from one timed batch run as
-        :meth:`run` runs it (eval mode: all patches, flip TTA; fused); None without
-        validation data. Leaves ``model`` in eval mode."""
-        t0 = time.perf_counter()
-        with torch.no_grad(), self.execution().applied(model):
-            for batch in self.task.val_batches(self.recipe.eval_batch_size):
+    def time_pass(self, model: nn.Module, final: bool = True,
+                  served: bool = False) -> float | None:
+        """Seconds of one pass, estimated from one timed batch run as that pass runs it: an
+        intermediate one (``final=False``: its precision, the flip pair only), the last one
+        (fp32, every view), or with ``served`` the pass as served (:meth:`served`: bf16, every
+        view, on rank 0 over the whole split). None without validation data. Leaves ``model``
+        in eval mode."""
+        ex = serving_execution("bf16", self.dist.device) if served else self.execution(final)
+        per_example = None
+        with torch.no_grad(), ex.applied(model):
+            # the second batch where there is one: the first also pays for building kernels
+            # for its shapes (and, in bf16, casting the weights), which a pass pays once
+            for i, batch in enumerate(self.task.val_batches(self.recipe.eval_batch_size)):
+                t0 = time.perf_counter()
                 if self.recipe.pretraining:
                     pretrain_loss(self.task, model, batch)
                 else:
                     model.eval()
-                    self.task.forward(model, batch)
-                n = int(batch.labels.shape[0])
-                break
-            else:
-                return None
-        per_example = (time.perf_counter() - t0) / max(1, n)
-        return per_example * self.task.n_val / max(1, self.dist.world_size)
+                    self.task.forward(model, batch, final=final)
+                per_example = (time.perf_counter() - t0) / max(1, int(batch.labels.shape[0]))
+                if i == 1:
+                    break
+        if per_example is None:
+            return None
+        return per_example * self.task.n_val / (1 if served else max(1, self.dist.world_size))
+
+    def time_end(self, model: nn.Module) -> float | None:
+        """Seconds of the passes the end runs: the last fp32 one, and the one as served where
+        the run records it (:attr:`records_bf16_val`). None without validation data."""
+        last = self.time_pass(model)
+        if last is None or not self.records_bf16_val:
+            return last
+        return last + (self.time_pass(model, served=True) or 0.0)

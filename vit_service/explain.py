@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from vit_service.attention_maps import Query, normalise_rows, query_row, to_grid
-from vit_service.tta import flips, mean_of_views, predict
+from vit_service.tta import flips, other_views, pool_views, predict
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def attention_gradients(
 
     ``inputs``: what ``model.attention_graph`` takes (``(x,)`` for a ViT, ``(ids, mask)`` for a
     text model). ``target`` ``(B,)`` class indices, ``-1`` (or ``None`` for all) = predicted.
-    Returns detached ``logits`` ``(B, K)`` (what the model answers: flip TTA included, see
+    Returns detached ``logits`` ``(B, K)`` (what the model answers: TTA included, see
     :mod:`vit_service.tta`), per-layer weights and ``d logit_target / d weights`` of the given
     view (each ``(B, H, T, T)``, over the tokens the attention read: a text model's crop, see
     ``vit_service.pipeline.ReadTokens``) and the target ``(B,)``. Safe inside
@@ -107,9 +107,9 @@ def attention_gradients(
         inputs = tuple(t.clone() if t.is_inference() else t for t in inputs)
         logits, attns = model.attention_graph(*inputs)  # attns: L x (B, H, T, T)
         served = logits.detach()
-        if flips(model):  # the mirror view only moves the answer, not the given view's map
+        if flips(model):  # the other views only move the answer, not the given view's map
             with torch.no_grad():
-                served = mean_of_views(served, model(inputs[0].flip(-1)))
+                served = pool_views(served, model(other_views(model, inputs[0])))
         pred = served.argmax(-1)
         tgt = pred if target is None else torch.where(target.to(pred.device) < 0, pred,
                                                       target.to(pred.device))
@@ -289,7 +289,7 @@ def image_probs_fn(
     model: nn.Module, x: Tensor, target: Tensor, patch_size: int, chunk: int = 256
 ) -> Callable[[Tensor], Tensor]:
     """``probs_of`` for images ``x`` ``(B, C, S, S)``: a removed patch is filled with the
-    image's mean colour; the model's answer (flip TTA included) gives the probabilities."""
+    image's mean colour; the model's answer (TTA included) gives the probabilities."""
     fill = x.mean(dim=(2, 3), keepdim=True)  # (B, C, 1, 1)
 
     def probs_of(keep: Tensor) -> Tensor:

@@ -1,36 +1,77 @@
-"""Flip test-time augmentation, applied around a model by evaluation and serving.
+"""Test-time augmentation (flip, and flip + shift), applied around a model by evaluation and
+serving.
 
 A model whose config says ``tta_flip`` (an image model trained with flips) answers with the mean
-of the logits of the image and of its mirror image; the model itself always returns the logits
-of what it is given. Attention weights (and relevance) are those of the image as given: the
-mirror view is a second pass on the model's own attention path, whose weights nobody reads.
+of the logits of the image and of its mirror image. With ``tta_shift`` as well it also sees both
+views moved one pixel down-right and one pixel up-left (reflect fill, so no preprocessing
+constants are needed), and answers with half the given pair's mean plus half the shifted pairs'
+mean (airbench's TTA, Jordan 2024): six views, three times the flip's cost. The model itself
+always returns the logits of what it is given. Attention weights (and relevance) are those of
+the image as given: the other views are further passes on the model's own path, whose weights
+nobody reads.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+# the given pair (image, mirror), then each shifted pair: half the weight on the given pair
+_SHIFT_WEIGHTS = (0.25, 0.25, 0.125, 0.125, 0.125, 0.125)
+
+
+def _config(model: nn.Module) -> object:
+    return getattr(model, "config", None)
 
 
 def flips(model: nn.Module) -> bool:
     """Whether ``model``'s answers average the image and its mirror: ``tta_flip`` in eval mode
     (training sees one view)."""
-    return bool(getattr(getattr(model, "config", None), "tta_flip", False)) and not model.training
+    return bool(getattr(_config(model), "tta_flip", False)) and not model.training
 
 
-def mean_of_views(given: Tensor, mirror: Tensor) -> Tensor:
-    """``(B, K)`` logits of the two views -> their mean ``(B, K)``."""
-    return torch.stack([given, mirror]).mean(0)
+def shifts(model: nn.Module) -> bool:
+    """Whether ``model``'s answers also average one-pixel shifts: ``tta_shift`` on top of
+    :func:`flips`."""
+    return flips(model) and bool(getattr(_config(model), "tta_shift", False))
 
 
-def predict(model: nn.Module, *inputs: Tensor) -> Tensor:
-    """The logits ``(B, K)`` a model answers with: flip TTA when it :func:`flips` (both views
-    in one batch of ``2B``), else its own forward."""
+def other_views(model: nn.Module, x: Tensor, shift: bool = True) -> Tensor:
+    """The views of ``x`` ``(B, C, H, W)`` besides itself, in :func:`pool_views`' order, as one
+    batch ``((V - 1) * B, C, H, W)``: the mirror, and where the model :func:`shifts` (and
+    ``shift``) the image and its mirror moved one pixel down-right, then up-left."""
+    views = [x.flip(-1)]
+    if shift and shifts(model):
+        h, w = x.shape[-2:]
+        padded = F.pad(x, (1, 1, 1, 1), mode="reflect")  # (B, C, H + 2, W + 2)
+        for moved in (padded[..., :h, :w], padded[..., 2:, 2:]):  # content +1 px, then -1 px
+            views += [moved, moved.flip(-1)]
+    return torch.cat(views)
+
+
+def pool_views(given: Tensor, others: Tensor) -> Tensor:
+    """``(B, K)`` logits of the given view and ``((V - 1) * B, K)`` of :func:`other_views` ->
+    the answer ``(B, K)``: the mean of a flip pair (V = 2), or half the given pair's mean plus
+    half the mean of the two shifted pairs (V = 6)."""
+    b = given.shape[0]
+    logits = torch.cat([given, others]).view(-1, b, given.shape[-1])  # (V, B, K)
+    if logits.shape[0] == 2:
+        return logits.mean(0)
+    w = torch.tensor(_SHIFT_WEIGHTS, dtype=logits.dtype, device=logits.device)
+    return (logits * w.view(-1, 1, 1)).sum(0)  # (B, K)
+
+
+def predict(model: nn.Module, *inputs: Tensor, shift: bool = True) -> Tensor:
+    """The logits ``(B, K)`` a model answers with: TTA when it :func:`flips` (every view in one
+    batch), else its own forward. ``shift=False`` leaves the shifted views out (training's
+    intermediate validation passes, which only draw the curve)."""
     if not flips(model):
         return model(*inputs)
     x = inputs[0]  # (B, C, H, W)
-    logits = model(torch.cat([x, x.flip(-1)]))  # (2B, K)
-    return logits.view(2, x.shape[0], -1).mean(0)  # (B, K)
+    logits = model(torch.cat([x, other_views(model, x, shift)]))  # (V * B, K)
+    b = x.shape[0]
+    return pool_views(logits[:b], logits[b:])
 
 
 def predict_with_attention(model: nn.Module, *inputs: Tensor) -> tuple[Tensor, Tensor]:
@@ -38,7 +79,7 @@ def predict_with_attention(model: nn.Module, *inputs: Tensor) -> tuple[Tensor, T
     given (``model.forward_with_attention``)."""
     logits, attn = model.forward_with_attention(*inputs)
     if flips(model):
-        logits = mean_of_views(logits, model(inputs[0].flip(-1)))
+        logits = pool_views(logits, model(other_views(model, inputs[0])))
     return logits, attn
 
 

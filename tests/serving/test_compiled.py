@@ -118,3 +118,19 @@ def test_a_text_model_reading_a_crop_is_traced_on_the_crop_and_equals_it_at_any_
                      (got.maps.heads, want.maps.heads)):
             assert g is not None and w is not None and g.shape[-1] == T - 1
             torch.testing.assert_close(g, w)
+
+
+def test_traced_shift_tta_equals_the_eager_model() -> None:
+    torch.manual_seed(0)
+    vit = _frozen(create_model("vit_test", tta_flip=True, tta_shift=True, pool="mean"))
+    f = trace_forwards(vit, "image", {"image_size": 32})
+    assert f.traced
+    x = torch.randn(5, 3, 32, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(f.plain(x), predict(vit, x))
+        logits, attn = f.with_attention(x)
+        want_logits, want_attn = predict_with_attention(vit, x)
+        flip_only = predict(vit, x, shift=False)
+    torch.testing.assert_close(logits, want_logits)
+    torch.testing.assert_close(attn, want_attn)
+    assert not torch.allclose(logits, flip_only, atol=1e-4)  # the trace holds the shifts

@@ -203,12 +203,12 @@ def test_val_precision_served_runs_the_intermediate_passes_as_served(
     seen: list[tuple[bool, bool]] = []  # per eval-mode forward: (bf16 autocast, fused)
     real_forward = run.task.forward
 
-    def forward(model: torch.nn.Module, batch: object) -> torch.Tensor:
+    def forward(model: torch.nn.Module, batch: object, final: bool = True) -> torch.Tensor:
         if not model.training:
             seen.append((torch.is_autocast_enabled("cpu")
                          and torch.get_autocast_dtype("cpu") == BF16,
                          all(m.fused_attn for m in model.modules() if isinstance(m, Attention))))
-        return real_forward(model, batch)
+        return real_forward(model, batch, final=final)
 
     passes: list[tuple[set[tuple[bool, bool]], float]] = []
     real_eval = run.evaluate

@@ -158,17 +158,22 @@ def test_relevance_changes_nothing_in_the_model() -> None:
     assert torch.allclose(ex.relevance.sum((1, 2)), torch.ones(3))
 
 
-def test_flip_tta_relevance_explains_the_given_view() -> None:
+@pytest.mark.parametrize("shift", [False, True])
+def test_tta_relevance_explains_the_given_view(shift: bool) -> None:
+    from vit_service.tta import predict
+
     torch.manual_seed(0)
     cfg = dict(img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2, pool="mean")
     plain = ViT(ViTConfig(**cfg)).eval()
-    tta = ViT(ViTConfig(**cfg, tta_flip=True)).eval()
+    tta = ViT(ViTConfig(**cfg, tta_flip=True, tta_shift=shift)).eval()
     tta.load_state_dict(plain.state_dict())
     x, target = torch.randn(2, 3, 16, 16), torch.tensor([3, 5])
     a = explain(plain, (x,), target, grid=(4, 4), query="mean")
     b = explain(tta, (x,), target, grid=(4, 4), query="mean")
     assert torch.allclose(a.relevance, b.relevance, atol=1e-5)
-    assert not torch.allclose(a.logits, b.logits)  # TTA's logits average the mirror too
+    assert not torch.allclose(a.logits, b.logits)  # TTA's logits average the other views too
+    with torch.no_grad():
+        assert torch.allclose(b.logits, predict(tta, x), atol=1e-5)  # the answer as served
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -82,10 +82,11 @@ class Task:
     def val_batches(self, batch_size: int, all_ranks: bool = False) -> Iterator[Batch]:
         raise NotImplementedError
 
-    def forward(self, model: nn.Module, batch: Batch) -> Tensor:
-        """The logits the model answers with (flip TTA in eval mode where its config says
-        so: :func:`vit_service.tta.predict`, as served)."""
-        return predict(model, *batch.inputs)
+    def forward(self, model: nn.Module, batch: Batch, final: bool = True) -> Tensor:
+        """The logits the model answers with (TTA in eval mode where its config says so:
+        :func:`vit_service.tta.predict`, as served); ``final=False`` (an intermediate
+        validation pass, for the curve) leaves out the shifted views."""
+        return predict(model, *batch.inputs, shift=final)
 
     def model_fields(self) -> dict[str, Any]:
         return {}

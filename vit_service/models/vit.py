@@ -50,6 +50,9 @@ class ViTConfig:
     # more of a CNN's local, data-efficient features before the tokens, at their cost per image
     tta_flip: bool = False  # evaluation and serving average the logits of the image and its
     # mirror image (flip test-time augmentation, vit_service.tta); the model itself never does
+    tta_shift: bool = False  # with tta_flip: also both views moved one pixel diagonally each
+    # way, half the weight (airbench's TTA): the translations training's crops taught, at 3x
+    # the flip's inference cost (docs/training.md, "Shifted views at test time")
     patch_dropout: float = 0.0  # training only: each image keeps a random (1 - p) share of its
     # patch tokens (PatchDropout, Liu et al. 2022): steps ~1/(1 - p) cheaper; eval sees all
 
@@ -67,6 +70,8 @@ class ViTConfig:
             raise ValueError(f"img_size {self.img_size} not divisible by patch {self.patch_size}")
         if not 0.0 <= self.patch_dropout < 1.0:
             raise ValueError(f"patch_dropout must be in [0, 1), got {self.patch_dropout}")
+        if self.tta_shift and not self.tta_flip:
+            raise ValueError("tta_shift needs tta_flip: the shifted views come in flip pairs")
 
 
 class PatchEmbed(nn.Module):
