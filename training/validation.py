@@ -90,22 +90,19 @@ class Validator:
         view, on rank 0 over the whole split). None without validation data. Leaves ``model``
         in eval mode."""
         ex = serving_execution("bf16", self.dist.device) if served else self.execution(final)
-        per_example = None
+        t0 = time.perf_counter()
         with torch.no_grad(), ex.applied(model):
-            # the second batch where there is one: the first also pays for building kernels
-            # for its shapes (and, in bf16, casting the weights), which a pass pays once
-            for i, batch in enumerate(self.task.val_batches(self.recipe.eval_batch_size)):
-                t0 = time.perf_counter()
+            for batch in self.task.val_batches(self.recipe.eval_batch_size):
                 if self.recipe.pretraining:
                     pretrain_loss(self.task, model, batch)
                 else:
                     model.eval()
                     self.task.forward(model, batch, final=final)
-                per_example = (time.perf_counter() - t0) / max(1, int(batch.labels.shape[0]))
-                if i == 1:
-                    break
-        if per_example is None:
-            return None
+                n = int(batch.labels.shape[0])
+                break
+            else:
+                return None
+        per_example = (time.perf_counter() - t0) / max(1, n)
         return per_example * self.task.n_val / (1 if served else max(1, self.dist.world_size))
 
     def time_end(self, model: nn.Module) -> float | None:

@@ -17,9 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# the given pair (image, mirror), then each shifted pair: half the weight on the given pair
-_SHIFT_WEIGHTS = (0.25, 0.25, 0.125, 0.125, 0.125, 0.125)
-
 
 def _config(model: nn.Module) -> object:
     return getattr(model, "config", None)
@@ -55,11 +52,10 @@ def pool_views(given: Tensor, others: Tensor) -> Tensor:
     the answer ``(B, K)``: the mean of a flip pair (V = 2), or half the given pair's mean plus
     half the mean of the two shifted pairs (V = 6)."""
     b = given.shape[0]
-    logits = torch.cat([given, others]).view(-1, b, given.shape[-1])  # (V, B, K)
-    if logits.shape[0] == 2:
-        return logits.mean(0)
-    w = torch.tensor(_SHIFT_WEIGHTS, dtype=logits.dtype, device=logits.device)
-    return (logits * w.view(-1, 1, 1)).sum(0)  # (B, K)
+    pairs = torch.cat([given, others]).view(-1, 2, b, given.shape[-1]).mean(1)  # (V/2, B, K)
+    if pairs.shape[0] == 1:
+        return pairs[0]
+    return (pairs[0] + pairs[1:].mean(0)) / 2  # (B, K)
 
 
 def predict(model: nn.Module, *inputs: Tensor, shift: bool = True) -> Tensor:
