@@ -58,20 +58,24 @@ RECIPE = "cifar10-vit-convstem-cpu"
 
 def _machine() -> dict[str, Any]:
     """This CPU as a results line records it: ``cpu`` (its model), ``native_bf16``,
-    ``avx512_bf16``, ``amx`` (the run's ``machine.*`` MLflow params, unprefixed)."""
+    ``avx512``, ``avx512_bf16``, ``amx`` (the run's ``machine.*`` MLflow params, unprefixed)."""
     m = {k.removeprefix("machine."): v for k, v in machine_params().items()}
-    return {"cpu": m["cpu"], "native_bf16": m["native_bf16"], "avx512_bf16": m["avx512_bf16"],
-            "amx": m["amx"]}
+    return {"cpu": m["cpu"], "native_bf16": m["native_bf16"], "avx512": m["avx512"],
+            "avx512_bf16": m["avx512_bf16"], "amx": m["amx"]}
 
 
 def machine_kind(row: dict[str, Any]) -> str:
     """The kind of CPU a results line ran on, as the table and the plot group rows: native
-    bf16 or not (a line written before the field was recorded says ``unknown``)."""
+    bf16 (AMX or AVX-512 BF16) or not, and without it AVX-512 or not, since the fp32 step the
+    recipes fall back to runs at several times different speeds on those (a line written before
+    a field was recorded says ``unknown``, or leaves the AVX-512 part out)."""
     if "native_bf16" not in row:
         return "unknown"
-    if not row["native_bf16"]:
+    if row["native_bf16"]:
+        return "AMX" if row.get("amx") else "AVX-512 BF16"
+    if "avx512" not in row:
         return "no native bf16"
-    return "AMX" if row.get("amx") else "AVX-512 BF16"
+    return "no native bf16, AVX-512" if row["avx512"] else "no native bf16, no AVX-512"
 
 
 def _end_event(stdout: str) -> dict[str, Any]:
@@ -183,6 +187,7 @@ def results_line(run: Any, recipe: str, loads: tuple[float, float] | None) -> di
             "load_after": loads[1] if loads else None,
             "cpu": p.get("machine.cpu"), "native_bf16": p.get("machine.native_bf16") == "True",
             "avx512_bf16": p.get("machine.avx512_bf16") == "True",
+            **({"avx512": p["machine.avx512"] == "True"} if "machine.avx512" in p else {}),
             "amx": p.get("machine.amx") == "True",
             # the machine's count (os.cpu_count), where `run` records the affinity's
             "cores": int(cores_) if cores_ else None,

@@ -59,9 +59,11 @@ def cpu_model(cpuinfo: str | None = None) -> str:
 
 def machine_params() -> dict[str, str | int | bool]:
     """What a run's figures depend on besides the recipe, for MLflow: the CPU, whether it has
-    native bf16 (AVX-512 BF16) or AMX, and its core count, so that runs on different machines
-    can be compared."""
+    native bf16 (AVX-512 BF16) or AMX, whether it has AVX-512 at all (an fp32 step runs at
+    different speeds with and without it), and its core count, so that runs on different
+    machines can be compared."""
     flags = cpu_flags()
     return {"machine.cpu": cpu_model(), "machine.cpu_count": os.cpu_count() or 0,
+            "machine.avx512": "avx512f" in flags,
             "machine.avx512_bf16": "avx512_bf16" in flags, "machine.amx": "amx_bf16" in flags,
             "machine.native_bf16": any(f in flags for f in BF16_FLAGS)}

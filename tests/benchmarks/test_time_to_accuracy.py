@@ -60,12 +60,16 @@ def test_cpus_with_and_without_native_bf16_form_separate_tables(tmp_path: Path) 
 
 def test_a_results_line_records_the_cpus_bf16_flags() -> None:
     from benchmarks.time_to_accuracy import _machine, machine_kind
-    from vit_service.hardware import cpu_has_native_bf16, cpu_model
+    from vit_service.hardware import cpu_flags, cpu_has_native_bf16, cpu_model
 
     m = _machine()
     assert m["cpu"] == cpu_model() and m["native_bf16"] is cpu_has_native_bf16()
-    assert set(m) == {"cpu", "native_bf16", "avx512_bf16", "amx"}
+    assert set(m) == {"cpu", "native_bf16", "avx512", "avx512_bf16", "amx"}
+    assert m["avx512"] is ("avx512f" in cpu_flags())
     assert machine_kind({"native_bf16": False, "amx": False}) == "no native bf16"
+    # an fp32 step with and without AVX-512: separate kinds, never one mean
+    assert machine_kind({"native_bf16": False, "avx512": True}) == "no native bf16, AVX-512"
+    assert machine_kind({"native_bf16": False, "avx512": False}) == "no native bf16, no AVX-512"
     assert machine_kind({"native_bf16": True, "amx": False}) == "AVX-512 BF16"
     assert machine_kind({"native_bf16": True, "amx": True}) == "AMX"
     assert machine_kind({"cpu": "x"}) == "unknown"  # a line from before the field
@@ -167,7 +171,7 @@ def test_add_takes_only_finished_runs_of_the_recipe_as_shipped(
     client = mlflow.MlflowClient(store)
     exp = tracking.ensure_experiment("cifar10")
     shipped = recipe_params(load_recipe("cifar10-vit-cpu", {"budget_minutes": 5, "seed": 1}))
-    machine = {"machine.cpu": "CPU X", "machine.native_bf16": "True",
+    machine = {"machine.cpu": "CPU X", "machine.native_bf16": "True", "machine.avx512": "True",
                "machine.avx512_bf16": "True", "machine.amx": "False", "machine.cpu_count": "2"}
 
     def logged(name: str, params: dict[str, str], status: str = "FINISHED") -> str:
@@ -210,10 +214,10 @@ def test_add_takes_only_finished_runs_of_the_recipe_as_shipped(
     assert row_zero["mlflow_run_id"] == zero
     assert {k: row[k] for k in ("recipe", "budget_minutes", "seed", "val_acc", "steps",
                                 "wall_s", "load_before", "load_after", "cpu", "native_bf16",
-                                "amx", "cores", "mlflow_run_id", "underrun")} == {
+                                "avx512", "amx", "cores", "mlflow_run_id", "underrun")} == {
         "recipe": "cifar10-vit-cpu", "budget_minutes": 5.0, "seed": 1, "val_acc": 0.7,
         "steps": 2883, "wall_s": 289.6, "load_before": 0.5, "load_after": 2.0, "cpu": "CPU X",
-        "native_bf16": True, "amx": False, "cores": 2, "mlflow_run_id": good,
+        "native_bf16": True, "avx512": True, "amx": False, "cores": 2, "mlflow_run_id": good,
         "underrun": "the last validation and publishing took"}
     assert "'good'" in row["added_from"]
     # a line without loads (none measured) still makes a table row

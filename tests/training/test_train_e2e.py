@@ -19,7 +19,7 @@ from training.recipes import load_recipe
 from training.run import train
 from training.signals import EXIT_SIGTERM
 from vit_service.config import Settings
-from vit_service.hardware import cpu_has_native_bf16, cpu_model
+from vit_service.hardware import cpu_flags, cpu_has_native_bf16, cpu_model
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,7 @@ def test_image_cli_run_is_in_mlflow(image_run: dict) -> None:
     # the machine the figures came from, and the rate it trained at
     assert p["machine.cpu"] == cpu_model() and int(p["machine.cpu_count"]) >= 1
     assert p["machine.native_bf16"] == str(cpu_has_native_bf16())
+    assert p["machine.avx512"] == str("avx512f" in cpu_flags())
     assert float(p["train.steps_per_s"]) > 0
     m = run.data.metrics
     assert {"train/loss", "train/lr", "train/throughput", "train/data_time_frac", "val/loss",
