@@ -67,8 +67,8 @@ def _machine() -> dict[str, Any]:
 def machine_kind(row: dict[str, Any]) -> str:
     """The kind of CPU a results line ran on, as the table and the plot group rows: native
     bf16 (AMX or AVX-512 BF16) or not, and without it AVX-512 or not, since the fp32 step the
-    recipes fall back to runs at several times different speeds on those (a line written before
-    a field was recorded says ``unknown``, or leaves the AVX-512 part out)."""
+    recipes fall back to runs at different speeds on those (a line written before a field was
+    recorded says ``unknown``, or leaves the AVX-512 part out)."""
     if "native_bf16" not in row:
         return "unknown"
     if row["native_bf16"]:
