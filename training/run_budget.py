@@ -50,12 +50,13 @@ class BudgetController:
     # ------------------------------------------------------------------ before the first step
 
     def probe(self, measure_eval: Callable[[], float | None],
-              measure_end: Callable[[], float | None],
+              measure_end: Callable[[float], float | None],
               rehearse_publish: Callable[[], float], with_mlflow: bool) -> None:
         """Size what the plan keeps free: ``measure_eval()`` estimates the seconds of one
         intermediate validation pass (None: no validation data, nothing to size; a resumed run
-        measured it before), ``measure_end()`` those of the passes the end runs (the last one
-        sees every TTA view and may run twice: fp32, and as served), and
+        measured it before), ``measure_end(eval_s)`` those of the passes the end runs (the last one
+        sees every TTA view and may run twice: fp32, and as served; ``eval_s``, the intermediate
+        pass's, stands for a last pass run the same way), and
         ``rehearse_publish()`` times publishing (rank 0; every rank follows its plan)."""
         b = self.planner
         if b.eval_s <= 0:
@@ -63,7 +64,7 @@ class BudgetController:
             if eval_s is None:
                 return
             b.eval_s = eval_s
-        end_s = measure_end() or 0.0
+        end_s = measure_end(b.eval_s) or 0.0
         publish_s = 0.0
         if self.dist.is_main:
             try:

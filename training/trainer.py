@@ -230,10 +230,10 @@ class Trainer:
         assert self.budget is not None
         s = self.setup
 
-        def timed(measure: Callable[[nn.Module], float | None]) -> Callable[[], float | None]:
-            def run() -> float | None:
+        def timed(measure: Callable[..., float | None]) -> Callable[..., float | None]:
+            def run(*args: float) -> float | None:
                 try:
-                    return measure(self.eval_model())
+                    return measure(self.eval_model(), *args)
                 finally:
                     self._set_train_mode()
             return run

@@ -21,6 +21,7 @@ from training.recipes import Recipe
 from training.tasks import Task
 from vit_service.execution import Execution, resolve_execution
 from vit_service.precision import Precision, resolve_precision, serving_execution
+from vit_service.tta import shifts
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +106,16 @@ class Validator:
         per_example = (time.perf_counter() - t0) / max(1, n)
         return per_example * self.task.n_val / (1 if served else max(1, self.dist.world_size))
 
-    def time_end(self, model: nn.Module) -> float | None:
+    def time_end(self, model: nn.Module, intermediate_s: float | None = None) -> float | None:
         """Seconds of the passes the end runs: the last fp32 one, and the one as served where
-        the run records it (:attr:`records_bf16_val`). None without validation data."""
-        last = self.time_pass(model)
+        the run records it (:attr:`records_bf16_val`). None without validation data.
+        ``intermediate_s``: an intermediate pass's seconds, taken for the last pass where that
+        runs the same way (the same execution, and no shifted views the intermediate one
+        leaves out) instead of timing it again."""
+        model.eval()  # tta.shifts reads eval mode
+        same = (intermediate_s is not None and self.execution(final=False) == self.execution()
+                and not shifts(model))
+        last = intermediate_s if same else self.time_pass(model)
         if last is None or not self.records_bf16_val:
             return last
         return last + (self.time_pass(model, served=True) or 0.0)
