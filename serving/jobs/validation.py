@@ -210,8 +210,12 @@ def estimate_parameters(cfg: Any) -> int:
         n += (int(cfg.img_size) // patch) ** 2 * d
     stem = int(getattr(cfg, "stem_width", 0)) if getattr(cfg, "stem", "") == "conv" else 0
     n += 9 * (3 * stem + 2 * stem * stem + 8 * stem * stem) + 4 * stem * d
-    # stem_depth - 1 more convs at each of its resolutions (w, 2w and 4w channels)
-    n += 9 * 21 * stem * stem * max(0, int(getattr(cfg, "stem_depth", 1)) - 1)
+    # stem_depth - 1 more convs at each of its resolutions (w, 2w and 4w channels),
+    # stem_full_depth - 1 at the first where it is given
+    depth = int(getattr(cfg, "stem_depth", 1))
+    full = getattr(cfg, "stem_full_depth", None)
+    n += 9 * 20 * stem * stem * max(0, depth - 1)
+    n += 9 * stem * stem * max(0, int(depth if full is None else full) - 1)
     return n + d * int(getattr(cfg, "num_classes", 0))
 
 

@@ -87,7 +87,8 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
 
 # a size of 0 builds nothing or divides by zero, a negative one fails deep in torch
 POSITIVE = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads",
-            "mlp_ratio", "vocab_size", "max_len", "stem_width", "stem_depth")
+            "mlp_ratio", "vocab_size", "max_len", "stem_width", "stem_depth",
+            "stem_full_depth")
 RATES = ("drop_rate", "attn_drop_rate", "drop_path_rate", "patch_dropout")  # in [0, 1)
 
 

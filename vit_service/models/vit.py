@@ -48,6 +48,9 @@ class ViTConfig:
     stem_width: int = 32  # conv stem: channels of its first conv, doubled at each stride 2
     stem_depth: int = 1  # conv stem: 3x3 convs per resolution (a halving's first one strides 2);
     # more of a CNN's local, data-efficient features before the tokens, at their cost per image
+    stem_full_depth: int | None = None  # conv stem: 3x3 convs at full resolution (None:
+    # stem_depth); the full-resolution convs are the stem's widest activations, so the
+    # costliest per multiply (docs/training.md, "A cheaper full-resolution stem")
     tta_flip: bool = False  # evaluation and serving average the logits of the image and its
     # mirror image (flip test-time augmentation, vit_service.tta); the model itself never does
     tta_shift: bool = False  # with tta_flip: also both views moved one pixel diagonally each
@@ -87,12 +90,13 @@ class PatchEmbed(nn.Module):
 
 
 class ConvStem(nn.Module):
-    """``(B, C, H, W)`` -> ``(B, N, D)``: ``depth`` 3x3 convs at full resolution, then ``depth``
-    per factor 2 of the patch size (the first strides 2, channels doubling), each with BN +
-    ReLU, then a 1x1 ``proj`` to the token width. Same patch grid as :class:`PatchEmbed`."""
+    """``(B, C, H, W)`` -> ``(B, N, D)``: ``full_depth`` (default ``depth``) 3x3 convs at full
+    resolution, then ``depth`` per factor 2 of the patch size (the first strides 2, channels
+    doubling), each with BN + ReLU, then a 1x1 ``proj`` to the token width. Same patch grid as
+    :class:`PatchEmbed`."""
 
     def __init__(self, patch_size: int, in_chans: int, embed_dim: int, width: int,
-                 depth: int = 1) -> None:
+                 depth: int = 1, full_depth: int | None = None) -> None:
         super().__init__()
         n_down = patch_size.bit_length() - 1
         if 2**n_down != patch_size:
@@ -101,10 +105,12 @@ class ConvStem(nn.Module):
             return [nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out),
                     nn.ReLU(inplace=True)]
 
-        if depth < 1:
-            raise ValueError(f"conv stem needs at least one conv per resolution, got {depth}")
+        full_depth = depth if full_depth is None else full_depth
+        if min(depth, full_depth) < 1:
+            raise ValueError("conv stem needs at least one conv per resolution, got "
+                             f"{depth} ({full_depth} at full resolution)")
         layers, c = conv_bn_relu(in_chans, width, 1), width  # full resolution
-        for _ in range(depth - 1):
+        for _ in range(full_depth - 1):
             layers += conv_bn_relu(c, c, 1)
         for _ in range(n_down):  # (B, c, H, W) -> (B, 2c, H/2, W/2)
             layers += conv_bn_relu(c, 2 * c, 2)
@@ -135,7 +141,7 @@ class ViT(nn.Module):
         self.patch_embed: nn.Module = (
             PatchEmbed(c.patch_size, c.in_chans, c.embed_dim) if c.stem == "patch"
             else ConvStem(c.patch_size, c.in_chans, c.embed_dim, c.stem_width,
-                             c.stem_depth))
+                          c.stem_depth, c.stem_full_depth))
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim))
         table = self._fixed_positions(c.grid_size) if c.pos_encoding == "sinusoidal" else None
         register_pos_embed(self, c.pos_encoding, c.num_patches + 1, c.embed_dim, table)

@@ -97,6 +97,8 @@ def test_a_string_that_is_no_text_is_refused_wherever_it_is() -> None:
 @pytest.mark.parametrize("overrides", [
     {}, {"stem": "conv", "stem_width": 24}, {"stem": "conv", "stem_width": 24, "stem_depth": 2},
     {"stem": "conv", "stem_width": 64, "stem_depth": 3},
+    {"stem": "conv", "stem_width": 32, "stem_depth": 2, "stem_full_depth": 1},
+    {"stem": "conv", "stem_width": 16, "stem_depth": 1, "stem_full_depth": 4},
 ])
 def test_the_size_estimate_bounds_the_built_conv_stem_from_above(overrides: dict) -> None:
     """A job's size is refused on the estimate, before anything is built: a deeper stem must not
@@ -112,7 +114,8 @@ def test_the_size_estimate_bounds_the_built_conv_stem_from_above(overrides: dict
 def test_a_conv_stem_with_no_convs_is_refused_before_it_is_queued() -> None:
     from serving.jobs.validation import validate_recipe
 
-    for key in ("model.overrides.stem_depth", "model.overrides.stem_width"):
+    for key in ("model.overrides.stem_depth", "model.overrides.stem_width",
+                "model.overrides.stem_full_depth"):
         with pytest.raises(JobError) as e:
             validate_recipe("cifar10-vit-convstem-cpu", {key: 0})
         assert e.value.status == 422 and f"{key.rsplit('.', 1)[1]} must be > 0" in str(

@@ -115,6 +115,20 @@ def test_deeper_conv_stem_adds_stride_1_convs_at_every_resolution() -> None:
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     with pytest.raises(ValueError, match="at least one conv"):
         ConvStem(4, 3, 128, 8, depth=0)
+
+
+def test_stem_full_depth_sets_the_convs_at_full_resolution_only() -> None:
+    model = create_model("vit_nano_patch4_32", stem="conv", stem_width=8, stem_depth=2,
+                         stem_full_depth=1)
+    convs = [m for m in model.patch_embed.stem if isinstance(m, torch.nn.Conv2d)]
+    assert [c.stride[0] for c in convs] == [1, 2, 1, 2, 1]  # one conv at 32 px, two at 16 and 8
+    assert [c.out_channels for c in convs] == [8, 16, 16, 32, 32]
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    deep = create_model("vit_nano_patch4_32", stem="conv", stem_width=8, stem_full_depth=3)
+    assert [c.stride[0] for c in deep.patch_embed.stem if isinstance(c, torch.nn.Conv2d)] == [
+        1, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="stem_full_depth must be > 0"):
+        create_model("vit_nano_patch4_32", stem="conv", stem_full_depth=0)
     for field in ("stem_depth", "stem_width"):  # refused with the config, before any build
         with pytest.raises(ValueError, match=f"{field} must be > 0"):
             create_model("vit_nano_patch4_32", stem="conv", **{field: 0})
