@@ -115,6 +115,9 @@ def test_deeper_conv_stem_adds_stride_1_convs_at_every_resolution() -> None:
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     with pytest.raises(ValueError, match="at least one conv"):
         ConvStem(4, 3, 128, 8, depth=0)
+    for field in ("stem_depth", "stem_width"):  # refused with the config, before any build
+        with pytest.raises(ValueError, match=f"{field} must be > 0"):
+            create_model("vit_nano_patch4_32", stem="conv", **{field: 0})
 
 
 def test_stem_full_depth_sets_the_convs_at_full_resolution_only() -> None:
@@ -129,9 +132,6 @@ def test_stem_full_depth_sets_the_convs_at_full_resolution_only() -> None:
         1, 1, 1, 2, 2]
     with pytest.raises(ValueError, match="stem_full_depth must be > 0"):
         create_model("vit_nano_patch4_32", stem="conv", stem_full_depth=0)
-    for field in ("stem_depth", "stem_width"):  # refused with the config, before any build
-        with pytest.raises(ValueError, match=f"{field} must be > 0"):
-            create_model("vit_nano_patch4_32", stem="conv", **{field: 0})
 
 
 def test_conv_stem_runs_its_convolutions_channels_last_with_the_same_values() -> None:
